@@ -1,0 +1,180 @@
+// fusedopt per-element math: the one C++ statement of SPEC.md, shared by the CPU (csrc/cpu) and
+// CUDA (csrc/cuda) backends. Everything here is a pure function of scalars, valid host and device
+// code; no tensors, no launch logic. Symbols follow SPEC.md: w weight, g gradient (already
+// multiplied by grad_mult = 1 / (amp_scale * clip divisor)), m, v LAMB moments, v LARS momentum
+// buffer, t step count, lambda weight decay, kappa trust coefficient, mu momentum.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define FUSEDOPT_HD __host__ __device__ __forceinline__
+#else
+#define FUSEDOPT_HD inline
+#endif
+
+namespace fusedopt {
+
+// Host-side scalars of one LAMB param group (built once in Python: fusedopt/_hyper.py).
+struct LambHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double beta3;         // (1 - beta1) if grad_averaging else 1
+  double eps;
+  double weight_decay;  // lambda
+  double ratio_lo;      // trust_ratio_bounds (used when bounded)
+  double ratio_hi;
+  bool bias_correction;
+  bool adapt;
+  bool decoupled;       // decoupled_weight_decay
+  bool bounded;
+};
+
+// Host-side scalars of one LARS param group.
+struct LarsHyper {
+  double lr;
+  double momentum;           // mu
+  double dampening;
+  double weight_decay;       // lambda
+  double trust_coefficient;  // kappa
+  double eps;
+  bool nesterov;
+  bool trust_clip;
+  bool combined;        // denominator == "combined": kappa*|w| / (|g + lambda*w| + eps)
+  bool lr_in_momentum;
+  bool adapt;
+};
+
+// 1 - beta^t, in double whatever the compute type (same formula as fusedopt.functional).
+FUSEDOPT_HD double bias_correction(double beta, double t) { return 1.0 - pow(beta, t); }
+
+// Note [zero-norm rule]: a trust ratio is exactly 1 when |w| or the other norm of its formula
+// (|u| for LAMB, the gradient norm for LARS) is 0; weight decay is still applied. Every trust
+// ratio goes through this function.
+template <typename T>
+FUSEDOPT_HD T zero_norm_rule(T w_norm, T other_norm, T ratio) {
+  return (w_norm > T(0) && other_norm > T(0)) ? ratio : T(1);
+}
+
+// ---------------------------------------------------------------------------------------- LAMB
+
+// Per-tensor LAMB scalars of step t, in the compute type T.
+template <typename T>
+struct LambCoef {
+  T beta1, beta2, beta3, one_minus_beta2, eps;
+  T bc1, bc2;        // 1 - beta^t, or 1 without bias correction
+  T lambda_in_u;     // lambda unless decoupled (then 0)
+};
+
+template <typename T>
+FUSEDOPT_HD LambCoef<T> lamb_coef(const LambHyper& h, double t) {
+  LambCoef<T> c;
+  c.beta1 = T(h.beta1);
+  c.beta2 = T(h.beta2);
+  c.beta3 = T(h.beta3);
+  c.one_minus_beta2 = T(1.0 - h.beta2);
+  c.eps = T(h.eps);
+  c.bc1 = h.bias_correction ? T(bias_correction(h.beta1, t)) : T(1);
+  c.bc2 = h.bias_correction ? T(bias_correction(h.beta2, t)) : T(1);
+  c.lambda_in_u = h.decoupled ? T(0) : T(h.weight_decay);
+  return c;
+}
+
+// m <- beta1*m + beta3*g ;  v <- beta2*v + (1-beta2)*g^2
+template <typename T>
+FUSEDOPT_HD void lamb_moments(T g, T& m, T& v, const LambCoef<T>& c) {
+  m = c.beta1 * m + c.beta3 * g;
+  v = c.beta2 * v + c.one_minus_beta2 * g * g;
+}
+
+// u = m_hat / (sqrt(v_hat) + eps) + lambda*w. Pass 1 (for |u|^2) and pass 2 (for the update)
+// both call this with the same arguments, so both see the same u bit for bit.
+template <typename T>
+FUSEDOPT_HD T lamb_direction(T w, T m, T v, const LambCoef<T>& c) {
+  return (m / c.bc1) / (std::sqrt(v / c.bc2) + c.eps) + c.lambda_in_u * w;
+}
+
+// phi = |w| / |u| (zero-norm rule), clamped to the bounds; 1 when not adapting.
+template <typename T>
+FUSEDOPT_HD T lamb_trust_ratio(T w_sq, T u_sq, const LambHyper& h) {
+  if (!h.adapt) return T(1);
+  const T w_n = std::sqrt(w_sq);
+  const T u_n = std::sqrt(u_sq);
+  T phi = zero_norm_rule<T>(w_n, u_n, w_n / u_n);
+  if (h.bounded) phi = phi < T(h.ratio_lo) ? T(h.ratio_lo) : (phi > T(h.ratio_hi) ? T(h.ratio_hi) : phi);
+  return phi;
+}
+
+// w <- w*decay - lr_phi*u, with decay = 1 - lr*lambda (decoupled) or 1, lr_phi = lr*phi.
+template <typename T>
+FUSEDOPT_HD T lamb_apply(T w, T u, T lr_phi, T decay) {
+  return w * decay - lr_phi * u;
+}
+
+// ---------------------------------------------------------------------------------------- LARS
+
+// ratio = kappa*|w| / (|g| + lambda*|w| + eps)   ("sum")
+// ratio = kappa*|w| / (|g + lambda*w| + eps)     ("combined"; g_sq is then |g + lambda*w|^2)
+// zero-norm rule on |w| and the gradient norm of the formula; min(ratio, 1) if trust_clip.
+template <typename T>
+FUSEDOPT_HD T lars_trust_ratio(T w_sq, T g_sq, const LarsHyper& h) {
+  if (!h.adapt) return T(1);
+  const T w_n = std::sqrt(w_sq);
+  const T g_n = std::sqrt(g_sq);
+  const T den = h.combined ? g_n + T(h.eps) : g_n + T(h.weight_decay) * w_n + T(h.eps);
+  T ratio = zero_norm_rule<T>(w_n, g_n, T(h.trust_coefficient) * w_n / den);
+  if (h.trust_clip && ratio > T(1)) ratio = T(1);
+  return ratio;
+}
+
+// Per-tensor LARS scalars of one step, in the compute type T.
+template <typename T>
+struct LarsCoef {
+  T ratio;     // trust ratio of the tensor
+  T lambda;
+  T lr;
+  T mu;
+  T keep;      // factor on the old buffer: mu, or 0 on the first step of the torch-SGD form
+  T add;       // factor on d: lr (lr_in_momentum) or 1-dampening (1 on the first step)
+  bool nesterov;
+  bool lr_in_momentum;
+};
+
+template <typename T>
+FUSEDOPT_HD LarsCoef<T> lars_coef(const LarsHyper& h, T ratio, double t) {
+  LarsCoef<T> c;
+  const bool first = t == 1.0;
+  c.ratio = ratio;
+  c.lambda = T(h.weight_decay);
+  c.lr = T(h.lr);
+  c.mu = T(h.momentum);
+  c.nesterov = h.nesterov;
+  c.lr_in_momentum = h.lr_in_momentum;
+  if (h.lr_in_momentum) {
+    c.keep = T(h.momentum);
+    c.add = T(h.lr);
+  } else {
+    c.keep = first ? T(0) : T(h.momentum);
+    c.add = first ? T(1) : T(1.0 - h.dampening);
+  }
+  return c;
+}
+
+// d = ratio*(g + lambda*w); v <- keep*v + add*d; returns the new w = w - step, where
+//   lr_in_momentum: step = v            (nesterov: lr*d + mu*v)
+//   otherwise:      step = lr*v         (nesterov: lr*(d + mu*v))
+template <typename T>
+FUSEDOPT_HD T lars_apply(T w, T g, T& v, const LarsCoef<T>& c) {
+  const T d = c.ratio * (g + c.lambda * w);
+  v = c.keep * v + c.add * d;
+  T step;
+  if (c.lr_in_momentum) {
+    step = c.nesterov ? c.lr * d + c.mu * v : v;
+  } else {
+    step = c.nesterov ? c.lr * (d + c.mu * v) : c.lr * v;
+  }
+  return w - step;
+}
+
+}  // namespace fusedopt

@@ -1,0 +1,14 @@
+"""fusedopt: fused LAMB and LARS optimizers for large-batch training."""
+from .backends import available_backends
+from .groups import name_patterns, one_dimensional, param_groups
+from .optim import FusedLAMB, FusedLARS
+
+__all__ = [
+    "FusedLAMB",
+    "FusedLARS",
+    "available_backends",
+    "name_patterns",
+    "one_dimensional",
+    "param_groups",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""Backends and the one function that chooses among them.
+
+A backend implements the two passes of a trust-ratio step for one :class:`~fusedopt.functional.Bucket`
+(tensors of one param group sharing device, param dtype and grad dtype):
+
+* ``sq_norms(tensors)``: per-tensor sums of squares, shape ``[n]`` (global clipping, noise scale).
+* ``lamb_pass1`` / ``lars_pass1``: increment the step counts (unless ``found_inf`` is nonzero) and
+  return the per-tensor sums of squares ``[n, 2]`` that the trust ratio needs
+  (LAMB: ``‖w‖², ‖u‖²``; LARS: ``‖w‖², ‖g‖²`` or ``‖g + λw‖²``). LAMB's pass 1 also updates the moments.
+* ``lamb_pass2`` / ``lars_pass2``: turn the (possibly all-reduced) sums into trust ratios with the
+  zero-norm rule and apply the update.
+
+``grad_mult`` (0-dim tensor or None) multiplies every gradient as it is read (GradScaler unscale and
+global clipping, ``1 / (scale · c)``); ``found_inf`` (0-dim tensor or None), when nonzero, makes the
+whole step a no-op. Neither is ever read on the host.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..functional import Bucket
+    from .._hyper import LambHyper, LarsHyper
+
+
+class Backend:
+    """Interface every backend implements (see the module docstring)."""
+
+    name: str = ""
+
+    def unavailable_reason(self, device: torch.device, param_dtype: torch.dtype,
+                           grad_dtype: torch.dtype) -> str | None:
+        """None if this backend can run on these tensors, else why not (device, dtype, missing piece)."""
+        raise NotImplementedError
+
+    def sq_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lamb_pass2(self, b: Bucket, h: LambHyper, sums: torch.Tensor, found_inf) -> None:
+        raise NotImplementedError
+
+    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lars_pass2(self, b: Bucket, h: LarsHyper, sums: torch.Tensor, grad_mult, found_inf) -> None:
+        raise NotImplementedError
+
+
+# name -> "module:attribute" of a zero-argument factory; imported lazily so that a missing
+# compiled extension or Triton only matters when that backend is used.
+_REGISTRY = {
+    "eager": "fusedopt.backends.eager:EagerBackend",
+    "cpp": "fusedopt.backends.cpp:CppBackend",
+    "triton": "fusedopt.backends.triton_backend:TritonBackend",
+    "cuda": "fusedopt.backends.cuda:CudaBackend",
+}
+# Preference of backend="auto", per device type; eager is always last and always works.
+# Rule for CUDA tensors: the compiled CUDA extension when it is built (no JIT, no compile on first
+# step), otherwise Triton, otherwise eager.
+_AUTO_ORDER = {"cpu": ("cpp", "eager"), "cuda": ("cuda", "triton", "eager")}
+
+_instances: dict[str, Backend] = {}
+_load_errors: dict[str, str] = {}
+
+
+def get_backend(name: str) -> Backend | None:
+    """The backend object, or None if its module cannot be imported (the reason is kept)."""
+    if name in _instances:
+        return _instances[name]
+    if name in _load_errors:
+        return None
+    module_name, attr = _REGISTRY[name].split(":")
+    try:
+        inst = getattr(importlib.import_module(module_name), attr)()
+    except Exception as e:  # noqa: BLE001 - any import/build failure makes the backend unusable
+        _load_errors[name] = f"{type(e).__name__}: {e}"
+        return None
+    _instances[name] = inst
+    return inst
+
+
+def load_error(name: str) -> str | None:
+    return _load_errors.get(name)
+
+
+def resolve(requested: str, device: torch.device, param_dtype: torch.dtype,
+            grad_dtype: torch.dtype) -> Backend:
+    """Pick the backend for one bucket. ``"auto"`` falls back quietly; an explicit name raises."""
+    if requested == "auto":
+        for name in _AUTO_ORDER.get(device.type, ("eager",)):
+            b = get_backend(name)
+            if b is not None and b.unavailable_reason(device, param_dtype, grad_dtype) is None:
+                return b
+        return get_backend("eager")
+    b = get_backend(requested)
+    if b is None:
+        raise RuntimeError(
+            f"backend={requested!r} is not available in this process: {load_error(requested)}"
+        )
+    reason = b.unavailable_reason(device, param_dtype, grad_dtype)
+    if reason is not None:
+        raise RuntimeError(
+            f"backend={requested!r} cannot run on {device.type} tensors with param dtype "
+            f"{param_dtype} and grad dtype {grad_dtype}: {reason}"
+        )
+    return b
+
+
+def available_backends() -> list[str]:
+    """Backends usable in this process (on at least one device type present), in preference order."""
+    out = []
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for name in _REGISTRY:
+        b = get_backend(name)
+        if b is None:
+            continue
+        if any(b.unavailable_reason(d, torch.float32, torch.float32) is None for d in devices):
+            out.append(name)
+    return out

@@ -1,0 +1,171 @@
+"""Eager backend: multi-tensor PyTorch (``torch._foreach_*``), runs on every device.
+
+Per-tensor scalars (step counts, bias corrections, trust ratios) stay on the device as ``[n]``
+tensors; nothing is read on the host. The update is computed out of place and committed at the end
+of pass 2 (``torch.where(found_inf, old, new)`` under GradScaler), so an overflowing step leaves every
+tensor bit-identical. This is the readable statement of the math that the fused backends fuse.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import Backend
+from ..functional import Bucket, bias_correction
+from .._hyper import LambHyper, LarsHyper
+
+
+def zero_norm_rule(w_norm: torch.Tensor, other_norm: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """SPEC's zero-norm rule: the trust ratio is exactly 1 where ``‖w‖`` or the other norm of its
+    formula (``‖u‖`` for LAMB, the gradient norm for LARS) is 0."""
+    return torch.where((w_norm > 0) & (other_norm > 0), ratio, torch.ones_like(ratio))
+
+
+def lamb_trust_ratio(w_sq: torch.Tensor, u_sq: torch.Tensor, h: LambHyper) -> torch.Tensor:
+    """``φ = ‖w‖ / ‖u‖`` (zero-norm rule), clamped to the bounds; 1 when not adapting."""
+    if not h.adapt:
+        return torch.ones_like(w_sq)
+    w_n, u_n = w_sq.sqrt(), u_sq.sqrt()
+    phi = zero_norm_rule(w_n, u_n, w_n / u_n)
+    if h.bounded:
+        phi = phi.clamp(h.ratio_lo, h.ratio_hi)
+    return phi
+
+
+def lars_trust_ratio(w_sq: torch.Tensor, g_sq: torch.Tensor, h: LarsHyper) -> torch.Tensor:
+    """``κ‖w‖ / (‖g‖ + λ‖w‖ + eps)`` or ``κ‖w‖ / (‖g + λw‖ + eps)`` with the zero-norm rule."""
+    if not h.adapt:
+        return torch.ones_like(w_sq)
+    w_n, g_n = w_sq.sqrt(), g_sq.sqrt()
+    den = g_n + h.eps if h.combined else g_n + h.weight_decay * w_n + h.eps
+    ratio = zero_norm_rule(w_n, g_n, h.trust_coefficient * w_n / den)
+    if h.trust_clip:
+        ratio = ratio.clamp(max=1.0)
+    return ratio
+
+
+def _sq(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=dtype)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype)).square()
+
+
+def _new_steps(b: Bucket, found_inf) -> torch.Tensor:
+    t = torch.stack(b.steps)
+    return t + (1.0 if found_inf is None else (found_inf == 0).to(t.dtype))
+
+
+def _compute_weights(b: Bucket) -> list[torch.Tensor]:
+    cd = b.compute_dtype
+    return [w if w.dtype == cd else w.to(cd) for w in b.weights]
+
+
+def _compute_grads(b: Bucket, grad_mult) -> list[torch.Tensor]:
+    cd = b.compute_dtype
+    g = [x if x.dtype == cd else x.to(cd) for x in b.grads]
+    return torch._foreach_mul(g, grad_mult) if grad_mult is not None else g
+
+
+def _commit(dst: list[torch.Tensor], new: list[torch.Tensor], found_inf) -> None:
+    if found_inf is not None:
+        skip = found_inf != 0
+        new = [torch.where(skip, d.to(n.dtype), n) for d, n in zip(dst, new)]
+    torch._foreach_copy_(dst, new)
+
+
+def _commit_weights(b: Bucket, w_new: list[torch.Tensor], found_inf) -> None:
+    if b.masters is not None:
+        _commit(b.masters, w_new, found_inf)
+        torch._foreach_copy_(b.params, b.masters)
+    else:
+        _commit(b.params, w_new, found_inf)
+
+
+def _per_tensor(x: torch.Tensor) -> list[torch.Tensor]:
+    return list(x.unbind())
+
+
+class EagerBackend(Backend):
+    name = "eager"
+
+    def unavailable_reason(self, device, param_dtype, grad_dtype):
+        return None
+
+    def sq_norms(self, tensors):
+        dtype = torch.float64 if tensors and tensors[0].dtype == torch.float64 else torch.float32
+        return _sq(list(tensors), dtype)
+
+    # ----------------------------------------------------------------- LAMB
+    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
+        cd = b.compute_dtype
+        t = _new_steps(b, found_inf)
+        w = _compute_weights(b)
+        g = _compute_grads(b, grad_mult)
+        m = torch._foreach_mul(b.exp_avgs, h.beta1)
+        torch._foreach_add_(m, g, alpha=h.beta3)
+        v = torch._foreach_mul(b.exp_avg_sqs, h.beta2)
+        torch._foreach_addcmul_(v, g, g, value=1.0 - h.beta2)
+        if h.bias_correction:
+            bc1 = _per_tensor(bias_correction(h.beta1, t).to(cd))
+            bc2 = _per_tensor(bias_correction(h.beta2, t).to(cd))
+            m_hat, v_hat = torch._foreach_div(m, bc1), torch._foreach_div(v, bc2)
+        else:
+            m_hat, v_hat = m, v
+        den = torch._foreach_sqrt(v_hat)
+        torch._foreach_add_(den, h.eps)
+        u = torch._foreach_div(m_hat, den)
+        if h.weight_decay != 0 and not h.decoupled:
+            torch._foreach_add_(u, w, alpha=h.weight_decay)
+        b.scratch.update(t=t, w=w, u=u, m=m, v=v)
+        return torch.stack([_sq(w, cd), _sq(u, cd)], dim=1)
+
+    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
+        s = b.scratch
+        phi = lamb_trust_ratio(sums[:, 0], sums[:, 1], h)
+        w = s["w"]
+        if h.decoupled and h.weight_decay != 0:
+            w = torch._foreach_mul(w, 1.0 - h.lr * h.weight_decay)
+        step = torch._foreach_mul(s["u"], _per_tensor(-h.lr * phi))
+        w_new = torch._foreach_add(w, step)
+        _commit(b.exp_avgs, s["m"], found_inf)
+        _commit(b.exp_avg_sqs, s["v"], found_inf)
+        _commit_weights(b, w_new, found_inf)
+        torch._foreach_copy_(b.steps, _per_tensor(s["t"]))
+        b.scratch.clear()
+
+    # ----------------------------------------------------------------- LARS
+    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
+        cd = b.compute_dtype
+        t = _new_steps(b, found_inf)
+        w = _compute_weights(b)
+        g = _compute_grads(b, grad_mult)
+        d = torch._foreach_add(g, w, alpha=h.weight_decay) if h.weight_decay != 0 else g
+        b.scratch.update(t=t, w=w, d=d)
+        return torch.stack([_sq(w, cd), _sq(d if h.combined else g, cd)], dim=1)
+
+    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
+        s = b.scratch
+        t, w = s["t"], s["w"]
+        ratio = lars_trust_ratio(sums[:, 0], sums[:, 1], h)
+        d = torch._foreach_mul(s["d"], _per_tensor(ratio))
+        mu, buf = h.momentum, b.momentum_buffers
+        if h.lr_in_momentum:
+            v = torch._foreach_mul(buf, mu)
+            torch._foreach_add_(v, d, alpha=h.lr)
+            if h.nesterov:
+                step = torch._foreach_mul(v, mu)
+                torch._foreach_add_(step, d, alpha=h.lr)
+            else:
+                step = v
+        else:
+            first = t == 1  # torch SGD: the buffer starts as d on the first step
+            a = _per_tensor(torch.where(first, 0.0, mu).to(w[0].dtype)) if w else []
+            c = _per_tensor(torch.where(first, 1.0, 1.0 - h.dampening).to(w[0].dtype)) if w else []
+            v = torch._foreach_mul(buf, a)
+            torch._foreach_add_(v, torch._foreach_mul(d, c))
+            step = torch._foreach_add(d, v, alpha=mu) if h.nesterov else v
+            step = torch._foreach_mul(step, h.lr)
+        w_new = torch._foreach_sub(w, step)
+        _commit(buf, v, found_inf)
+        _commit_weights(b, w_new, found_inf)
+        torch._foreach_copy_(b.steps, _per_tensor(t))
+        b.scratch.clear()

@@ -1,0 +1,76 @@
+"""Parameter groups that exclude biases and normalization weights from decay and adaptation."""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import torch
+
+Predicate = Callable[[str, torch.Tensor], bool]
+Exclude = Union[Predicate, Sequence[str], str]
+
+
+def one_dimensional(name: str, param: torch.Tensor) -> bool:
+    """The self-supervised-learning convention: exclude every param with ``ndim <= 1``
+    (biases and normalization scales/shifts in practically every architecture)."""
+    return param.ndim <= 1
+
+
+def name_patterns(*patterns: str) -> Predicate:
+    """Exclude params whose name matches any pattern (``re.search``; a plain word is a substring
+    test, as Paddle's ``exclude_from_weight_decay``), e.g. ``name_patterns("bias", "norm", "bn")``."""
+    compiled = [re.compile(p) for p in patterns]
+    return lambda name, param: any(c.search(name) for c in compiled)
+
+
+def _as_predicate(exclude: Exclude) -> Predicate:
+    if callable(exclude):
+        return exclude
+    if isinstance(exclude, str):
+        return name_patterns(exclude)
+    if isinstance(exclude, Sequence) and all(isinstance(p, str) for p in exclude):
+        return name_patterns(*exclude)
+    raise TypeError(
+        f"Invalid exclude: {exclude!r}; expected a callable (name, param) -> bool, a name pattern "
+        "or a sequence of name patterns"
+    )
+
+
+def param_groups(
+    model_or_named_params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+    *,
+    weight_decay: float,
+    exclude: Exclude = one_dimensional,
+    exclude_from_weight_decay: bool = True,
+    exclude_from_adaptation: bool = True,
+    **group_options: Any,
+) -> list[dict[str, Any]]:
+    """Split parameters into a regular group and an excluded group.
+
+    Excluded params (chosen by ``exclude``: a predicate ``(name, param) -> bool``, name patterns,
+    or the default :func:`one_dimensional`) get ``weight_decay=0`` and ``adapt=False``; set
+    ``exclude_from_weight_decay`` or ``exclude_from_adaptation`` to False to apply only one of the
+    two. Params with ``requires_grad=False`` are left out. ``group_options`` (e.g. ``lr``) go into
+    both groups. Empty groups are omitted.
+    """
+    if isinstance(model_or_named_params, torch.nn.Module):
+        named = model_or_named_params.named_parameters()
+    else:
+        named = model_or_named_params
+    pred = _as_predicate(exclude)
+    regular, excluded = [], []
+    for name, p in named:
+        if not p.requires_grad:
+            continue
+        (excluded if pred(name, p) else regular).append(p)
+    groups = []
+    if regular:
+        groups.append({"params": regular, "weight_decay": weight_decay, **group_options})
+    if excluded:
+        groups.append({
+            "params": excluded,
+            "weight_decay": 0.0 if exclude_from_weight_decay else weight_decay,
+            "adapt": not exclude_from_adaptation,
+            **group_options,
+        })
+    return groups

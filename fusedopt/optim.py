@@ -1,0 +1,344 @@
+"""``FusedLAMB`` and ``FusedLARS``: thin ``torch.optim.Optimizer`` subclasses.
+
+``step()`` validates and gathers tensors into buckets, then calls
+:func:`fusedopt.functional.trust_ratio_step`; it holds no math.
+"""
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any, Callable
+
+import torch
+from torch.optim import Optimizer
+
+from . import backends as _backends
+from ._hyper import (
+    LAMB_DEFAULTS,
+    LARS_DEFAULTS,
+    check_backend_name,
+    lamb_hyper,
+    lars_hyper,
+    validate_lamb_group,
+    validate_lars_group,
+)
+from .functional import Bucket, compute_dtype, trust_ratio_step
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _dense_layout(t: torch.Tensor) -> bool:
+    """True if the elements of ``t`` fill its storage span exactly once (any dim order)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+class _TrustRatioOptimizer(Optimizer):
+    """Shared machinery of LAMB and LARS: validation, state, buckets, dispatch."""
+
+    _kind: str
+    _state_keys: tuple[str, ...]
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults: dict[str, Any]):
+        super().__init__(params, defaults)
+
+    # ---------------------------------------------------------------- groups
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _hyper(self, group: dict[str, Any]):
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        candidate = dict(self.defaults)
+        candidate.update({k: v for k, v in param_group.items() if k != "params"})
+        self._validate_group(candidate)
+        check_backend_name(candidate["backend"])
+        mw = candidate["master_weights"]
+        if mw is not None and not isinstance(mw, bool):
+            raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+
+    # ----------------------------------------------------------------- state
+    def _uses_master(self, group: dict[str, Any], p: torch.Tensor) -> bool:
+        mw = group["master_weights"]
+        return p.dtype in _LOW_PRECISION and (mw is None or mw)
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if state:
+            return state
+        lp = _local(p)
+        cd = compute_dtype(lp.dtype)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
+        for key in self._state_keys:
+            state[key] = torch.zeros_like(p, dtype=cd, memory_format=torch.preserve_format)
+        if self._uses_master(group, lp):
+            state["master_param"] = p.detach().to(torch.float32, copy=True)
+        return state
+
+    # ----------------------------------------------------------------- step
+    def _checked_params(self) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
+        """Params with grads per group; raises before anything is modified."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            ps = [p for p in group["params"] if p.grad is not None]
+            devices = set()
+            for p in ps:
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients "
+                        f"(param group {gi}, param of shape {tuple(p.shape)})"
+                    )
+                if p.is_complex():
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support complex params "
+                        f"(param group {gi}, dtype {p.dtype})"
+                    )
+                if not p.is_floating_point() or not p.grad.is_floating_point():
+                    raise RuntimeError(
+                        f"{type(self).__name__} needs floating-point params and grads "
+                        f"(param group {gi}: param {p.dtype}, grad {p.grad.dtype})"
+                    )
+                if p.grad.shape != p.shape:
+                    raise RuntimeError(
+                        f"grad of shape {tuple(p.grad.shape)} does not match its param of shape "
+                        f"{tuple(p.shape)} (param group {gi})"
+                    )
+                devices.add(p.device)
+                if p.grad.device != p.device:
+                    raise RuntimeError(
+                        f"grad on {p.grad.device} for a param on {p.device} (param group {gi})"
+                    )
+            if len(devices) > 1:
+                raise RuntimeError(
+                    f"params of one group must be on one device; param group {gi} has params on "
+                    f"{sorted(str(d) for d in devices)}"
+                )
+            out.append((group, ps))
+        return out
+
+    def _build_plan(self):
+        checked = self._checked_params()
+        # Resolve every backend before any state is created, so a refusal changes nothing.
+        keyed = []
+        for group, ps in checked:
+            keys = {}
+            for p in ps:
+                lp, lg = _local(p), _local(p.grad)
+                key = (lp.device, lp.dtype, lg.dtype, self._uses_master(group, lp))
+                if key not in keys:
+                    keys[key] = _backends.resolve(group["backend"], lp.device, lp.dtype, lg.dtype)
+            keyed.append((group, ps, keys))
+        plan = []
+        for group, ps, keys in keyed:
+            buckets: dict[tuple, Bucket] = {}
+            for p in ps:
+                state = self._init_state(group, p)
+                lp, lg = _local(p), _local(p.grad)
+                key = (lp.device, lp.dtype, lg.dtype, self._uses_master(group, lp))
+                b = buckets.get(key)
+                if b is None:
+                    b = buckets[key] = Bucket(params=[], grads=[], steps=[], masters=[] if key[3] else None,
+                                              **{k + "s": [] for k in self._state_keys})
+                self._append(b, lp, lg, state)
+            entries = [(keys[k], b) for k, b in buckets.items()]
+            plan.append((self._hyper(group), entries))
+        return plan
+
+    def _append(self, b: Bucket, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any]) -> None:
+        tensors = {"param": p, "grad": g}
+        if b.masters is not None:
+            tensors["master_param"] = _local(state["master_param"])
+        for k in self._state_keys:
+            tensors[k] = _local(state[k])
+        if not all(_dense_layout(t) and t.stride() == p.stride() for t in tensors.values()):
+            stand_ins = {k: t.contiguous() for k, t in tensors.items()}
+            b.writeback.extend((t, stand_ins[k]) for k, t in tensors.items() if k != "grad")
+            tensors = stand_ins
+        b.params.append(tensors["param"])
+        b.grads.append(tensors["grad"])
+        b.steps.append(state["step"])
+        if b.masters is not None:
+            b.masters.append(tensors["master_param"])
+        for k in self._state_keys:
+            getattr(b, k + "s").append(tensors[k])
+
+    def _reducer(self):
+        """Cross-rank reducer of norm partial sums; None unless params are sharded."""
+        return None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._build_plan()
+        trust_ratio_step(
+            self._kind,
+            plan,
+            grad_scale=getattr(self, "grad_scale", None),
+            found_inf=getattr(self, "found_inf", None),
+            reducer=self._reducer(),
+        )
+        return loss
+
+    # ------------------------------------------------------------ checkpoint
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader, except that float32 state of low-precision params stays float32 and the
+        step count stays a float32 tensor on the param's device (torch would cast both)."""
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if saved is None:
+                continue
+            lp = _local(p)
+            for key, value in saved.items():
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    continue
+                if key == "step":
+                    self.state[p][key] = value.to(device=lp.device, dtype=torch.float32)
+                elif key == "master_param" or key in self._state_keys:
+                    self.state[p][key] = value.to(device=p.device, dtype=compute_dtype(lp.dtype))
+
+
+class FusedLAMB(_TrustRatioOptimizer):
+    r"""LAMB (You et al. 2019) in the NVLAMB form, computed exactly as SPEC.md.
+
+    Per tensor, with ``t`` its step count and ``λ`` the group's ``weight_decay``::
+
+        m ← β1·m + β3·g            (β3 = 1-β1 if grad_averaging else 1)
+        v ← β2·v + (1-β2)·g²
+        m̂ = m / (1-β1^t),  v̂ = v / (1-β2^t)        (no correction if bias_correction=False)
+        u = m̂ / (sqrt(v̂) + eps) + λ·w
+        φ = ‖w‖ / ‖u‖   (1 if either norm is 0; clamped to trust_ratio_bounds; 1 if not adapt)
+        w ← w − lr·φ·u
+
+    With ``decoupled_weight_decay=True``, ``λ·w`` is left out of ``u`` and
+    ``w ← w·(1 − lr·λ) − lr·φ·u`` (``φ`` from the weight before decay).
+    ``max_grad_norm`` clips by the global norm of all gradients first.
+
+    Args:
+        params: iterable of parameters or param-group dicts (each group may override any option,
+            and may set ``adapt=False`` to skip the trust ratio, see :func:`fusedopt.param_groups`).
+        lr, betas, eps, weight_decay, bias_correction, grad_averaging, max_grad_norm,
+        trust_ratio_bounds, decoupled_weight_decay: as in the formulas above.
+        backend: ``"auto"`` (fastest usable, falling back to eager), ``"eager"``, ``"cpp"``,
+            ``"triton"`` or ``"cuda"``; an explicit backend that cannot run raises at ``step()``.
+        master_weights: keep an fp32 copy of bf16/fp16 params in ``state["master_param"]``
+            (None = yes for bf16/fp16 params).
+    """
+
+    _kind = "lamb"
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = LAMB_DEFAULTS["lr"],
+        betas: tuple[float, float] = LAMB_DEFAULTS["betas"],
+        eps: float = LAMB_DEFAULTS["eps"],
+        weight_decay: float = LAMB_DEFAULTS["weight_decay"],
+        *,
+        bias_correction: bool = LAMB_DEFAULTS["bias_correction"],
+        grad_averaging: bool = LAMB_DEFAULTS["grad_averaging"],
+        max_grad_norm: float | None = LAMB_DEFAULTS["max_grad_norm"],
+        trust_ratio_bounds: tuple[float, float] | None = LAMB_DEFAULTS["trust_ratio_bounds"],
+        decoupled_weight_decay: bool = LAMB_DEFAULTS["decoupled_weight_decay"],
+        adapt: bool = LAMB_DEFAULTS["adapt"],
+        backend: str = "auto",
+        master_weights: bool | None = None,
+    ):
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            bias_correction=bias_correction, grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
+            decoupled_weight_decay=decoupled_weight_decay, adapt=adapt,
+            backend=backend, master_weights=master_weights,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group):
+        validate_lamb_group(group)
+
+    def _hyper(self, group):
+        return lamb_hyper(group)
+
+
+class FusedLARS(_TrustRatioOptimizer):
+    r"""LARS (You, Gitman, Ginsburg 2017) in the form of Paddle's ``lars_momentum``, as SPEC.md.
+
+    Per tensor, with ``κ = trust_coefficient`` and ``λ = weight_decay``::
+
+        ratio = κ‖w‖ / (‖g‖ + λ‖w‖ + eps)      denominator="sum"
+        ratio = κ‖w‖ / (‖g + λw‖ + eps)        denominator="combined"
+        (1 if ‖w‖ or the gradient norm is 0; min(ratio, 1) if trust_clip; 1 if not adapt)
+        d = ratio·(g + λw)
+        lr_in_momentum=True:  v ← μ·v + lr·d;                    step = v   (nesterov: lr·d + μ·v)
+        lr_in_momentum=False: v ← μ·v + (1-dampening)·d, v = d at t=1;  step = lr·v
+                                                                 (nesterov: lr·(d + μ·v))
+        w ← w − step
+
+    The buffer is ``state["momentum_buffer"]`` (torch SGD's name). ``max_grad_norm`` clips by the
+    global norm of all gradients first. See :class:`FusedLAMB` for ``backend``, ``master_weights``
+    and per-group options.
+    """
+
+    _kind = "lars"
+    _state_keys = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor,
+        momentum: float = LARS_DEFAULTS["momentum"],
+        weight_decay: float = LARS_DEFAULTS["weight_decay"],
+        *,
+        trust_coefficient: float = LARS_DEFAULTS["trust_coefficient"],
+        eps: float = LARS_DEFAULTS["eps"],
+        nesterov: bool = LARS_DEFAULTS["nesterov"],
+        dampening: float = LARS_DEFAULTS["dampening"],
+        trust_clip: bool = LARS_DEFAULTS["trust_clip"],
+        denominator: str = LARS_DEFAULTS["denominator"],
+        lr_in_momentum: bool = LARS_DEFAULTS["lr_in_momentum"],
+        max_grad_norm: float | None = LARS_DEFAULTS["max_grad_norm"],
+        adapt: bool = LARS_DEFAULTS["adapt"],
+        backend: str = "auto",
+        master_weights: bool | None = None,
+    ):
+        defaults = dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+            dampening=dampening, trust_clip=trust_clip, denominator=denominator,
+            lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt,
+            backend=backend, master_weights=master_weights,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group):
+        validate_lars_group(group)
+
+    def _hyper(self, group):
+        return lars_hyper(group)
