@@ -157,9 +157,9 @@ class EagerBackend(Backend):
             else:
                 step = v
         else:
-            first = t == 1  # torch SGD: the buffer starts as d on the first step
-            a = _per_tensor(torch.where(first, 0.0, mu).to(w[0].dtype)) if w else []
-            c = _per_tensor(torch.where(first, 1.0, 1.0 - h.dampening).to(w[0].dtype)) if w else []
+            later = (t != 1).to(b.compute_dtype)  # torch SGD: the buffer starts as d at t = 1
+            a = _per_tensor(later * mu)
+            c = _per_tensor(1.0 - later * h.dampening)
             v = torch._foreach_mul(buf, a)
             torch._foreach_add_(v, torch._foreach_mul(d, c))
             step = torch._foreach_add(d, v, alpha=mu) if h.nesterov else v

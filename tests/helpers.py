@@ -1,0 +1,121 @@
+"""Shared test harness: run a backend for several steps and compare with the float64 reference."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import fusedopt
+from fusedopt.reference import ReferenceLAMB, ReferenceLARS
+
+# Shapes that break kernels: 0-size, 1 element, odd sizes, several dims.
+SHAPES_SMALL = [(3, 5), (7,), (0,), (1,), (4097,), (2, 3, 4)]
+
+# One entry per SPEC flag (and a few combinations); ids are readable in pytest output.
+LAMB_CASES = {
+    "default": {},
+    "no_wd": dict(weight_decay=0.0),
+    "no_bias_correction": dict(bias_correction=False),
+    "no_grad_averaging": dict(grad_averaging=False),
+    "clip": dict(max_grad_norm=0.5),
+    "bounds": dict(trust_ratio_bounds=(0.8, 1.2)),
+    "decoupled": dict(decoupled_weight_decay=True, weight_decay=0.1),
+    "no_adapt": dict(adapt=False),
+    "eps0": dict(eps=0.0),
+}
+LARS_CASES = {
+    "default": dict(weight_decay=1e-4),
+    "no_wd": {},
+    "combined": dict(denominator="combined", weight_decay=1e-2),
+    "nesterov": dict(nesterov=True, weight_decay=1e-4),
+    "trust_clip": dict(trust_clip=True, trust_coefficient=1.0, weight_decay=1e-4),
+    "torch_sgd_form": dict(lr_in_momentum=False, weight_decay=1e-4),
+    "torch_sgd_dampening": dict(lr_in_momentum=False, dampening=0.3, weight_decay=1e-4),
+    "torch_sgd_nesterov": dict(lr_in_momentum=False, nesterov=True, weight_decay=1e-4),
+    "clip": dict(max_grad_norm=0.5, weight_decay=1e-4),
+    "no_momentum": dict(momentum=0.0, weight_decay=1e-4),
+    "no_adapt": dict(adapt=False, weight_decay=1e-4),
+}
+LR = {"lamb": 1e-2, "lars": 0.5}
+
+
+def make_tensors(shapes, dtype, seed, *, zero_weight=None, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, s in enumerate(shapes):
+        t = torch.randn(s, generator=g, dtype=torch.float64)
+        if zero_weight is not None and i == zero_weight:
+            t.zero_()
+        out.append(t.to(device=device, dtype=dtype))
+    return out
+
+
+def run_backend(kind, backend, shapes, hyper, *, dtype=torch.float32, grad_dtype=None, steps=5,
+                seed=0, zero_weight=None, zero_grad=None, excluded=(), master_weights=None,
+                device="cpu", lr=None):
+    """Run ``steps`` steps of ``backend``; returns (params, float64 reference weights, optimizer).
+
+    ``excluded``: indices of params placed in a second group with weight_decay=0, adapt=False.
+    ``zero_grad``: index of a param whose gradient is always 0.
+    """
+    grad_dtype = grad_dtype or dtype
+    lr = LR[kind] if lr is None else lr
+    init = make_tensors(shapes, torch.float64, seed, zero_weight=zero_weight)
+    params = [torch.nn.Parameter(t.to(device=device, dtype=dtype)) for t in init]
+    # the reference starts from the stored (rounded) values
+    ref_w = [p.detach().to("cpu", torch.float64).clone() for p in params]
+    main = [i for i in range(len(shapes)) if i not in excluded]
+    groups_idx = [main] + ([list(excluded)] if excluded else [])
+    opt_groups, ref_groups = [], []
+    for gi, idx in enumerate(groups_idx):
+        extra = {} if gi == 0 else dict(weight_decay=0.0, adapt=False)
+        opt_groups.append({"params": [params[i] for i in idx], **extra})
+        ref_groups.append({**hyper, "lr": lr, **extra})
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opt = cls(opt_groups, lr=lr, backend=backend, master_weights=master_weights, **hyper)
+    ref = (ReferenceLAMB if kind == "lamb" else ReferenceLARS)(ref_groups)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        grads = []
+        for i, s in enumerate(shapes):
+            gr = torch.randn(s, generator=gen, dtype=torch.float64)
+            if zero_grad is not None and i == zero_grad:
+                gr.zero_()
+            gr = gr.to(grad_dtype)  # the reference sees the same rounded gradient
+            grads.append(gr)
+            params[i].grad = gr.to(device)
+        opt.step()
+        ref.step([[ref_w[i] for i in idx] for idx in groups_idx],
+                 [[grads[i] for i in idx] for idx in groups_idx])
+    return params, ref_w, opt
+
+
+def max_rel_err(params, ref_w) -> float:
+    """Largest per-tensor ``max|p - ref| / max|ref|`` (0-size tensors skipped)."""
+    worst = 0.0
+    for p, r in zip(params, ref_w):
+        if p.numel() == 0:
+            continue
+        p64 = p.detach().to("cpu", torch.float64)
+        scale = r.abs().max().item() or 1.0
+        worst = max(worst, (p64 - r).abs().max().item() / scale)
+    return worst
+
+
+def abs_errs(params, ref_w) -> list[torch.Tensor]:
+    return [(p.detach().to("cpu", torch.float64) - r).abs() for p, r in zip(params, ref_w)]
+
+
+def assert_within_rounding(fast, eager, ref_w, atol):
+    """flash-attention's rule: |fast - ref64| <= 2 |eager_lowprec - ref64| + atol, elementwise."""
+    for ef, ee in zip(abs_errs(fast, ref_w), abs_errs(eager, ref_w)):
+        bad = ef > 2 * ee + atol
+        assert not bad.any(), f"{int(bad.sum())} elements beyond 2x eager's error + {atol}: max {ef.max()}"
+
+
+def tols(dtype):
+    return {torch.float32: 1e-5, torch.float64: 1e-11}[dtype]
+
+
+__all__ = ["SHAPES_SMALL", "LAMB_CASES", "LARS_CASES", "run_backend", "max_rel_err",
+           "assert_within_rounding", "tols", "make_tensors", "math"]
