@@ -62,6 +62,9 @@ def run_backend(kind, backend, shapes, hyper, *, dtype=torch.float32, grad_dtype
     lr = LR[kind] if lr is None else lr
     init = make_tensors(shapes, torch.float64, seed, zero_weight=zero_weight)
     params = [torch.nn.Parameter(t.to(device=device, dtype=dtype)) for t in init]
+    if grad_dtype != dtype and hasattr(params[0], "grad_dtype"):
+        for p in params:  # torch >= 2.10 checks grad dtypes unless told otherwise
+            p.grad_dtype = grad_dtype
     # the reference starts from the stored (rounded) values
     ref_w = [p.detach().to("cpu", torch.float64).clone() for p in params]
     main = [i for i in range(len(shapes)) if i not in excluded]

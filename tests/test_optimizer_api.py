@@ -1,0 +1,378 @@
+"""Behaviour users expect from torch optimizers, bad input, and the exclusion helper."""
+import copy
+import inspect
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusedopt
+from fusedopt.reference import LAMB_SPEC, LARS_SPEC
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTS = {
+    "lamb": lambda params, **kw: fusedopt.FusedLAMB(params, **{"lr": 1e-2, **kw}),
+    "lars": lambda params, **kw: fusedopt.FusedLARS(params, **{"lr": 0.1, "weight_decay": 1e-4, **kw}),
+}
+KINDS = list(OPTS)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+
+
+def train(opt, m, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 6, generator=gen)
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+
+
+def snapshot(m, opt):
+    params = [p.detach().clone() for p in m.parameters()]
+    state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+             for p, s in opt.state.items()}
+    return params, state
+
+
+def assert_same(a, b):
+    pa, sa = a
+    pb, sb = b
+    for x, y in zip(pa, pb):
+        assert torch.equal(x, y)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys()
+        for key in sa[k]:
+            assert torch.equal(sa[k][key], sb[k][key])
+
+
+# ------------------------------------------------------------------- defaults and documentation
+@pytest.mark.parametrize("cls,spec", [(fusedopt.FusedLAMB, LAMB_SPEC), (fusedopt.FusedLARS, LARS_SPEC)],
+                         ids=["lamb", "lars"])
+def test_signature_defaults_equal_spec(cls, spec):
+    sig = inspect.signature(cls.__init__).parameters
+    for name, value in spec.items():
+        assert sig[name].default == value, name
+    if cls is fusedopt.FusedLARS:
+        assert sig["lr"].default is inspect.Parameter.empty  # LARS has no default lr
+
+
+@pytest.mark.parametrize("spec", [LAMB_SPEC, LARS_SPEC], ids=["lamb", "lars"])
+def test_readme_documents_the_same_defaults(spec):
+    readme = (ROOT / "README.md").read_text()
+    for name, value in spec.items():
+        text = f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}"
+        assert text in readme, f"README does not document the default {text}"
+
+
+def test_keyword_only_after_weight_decay():
+    sig = inspect.signature(fusedopt.FusedLAMB.__init__).parameters
+    assert sig["bias_correction"].kind is inspect.Parameter.KEYWORD_ONLY
+    sig = inspect.signature(fusedopt.FusedLARS.__init__).parameters
+    assert sig["trust_coefficient"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_repr_shows_hyper_parameters():
+    r = repr(fusedopt.FusedLAMB(model().parameters(), lr=0.25, betas=(0.8, 0.95)))
+    assert "lr: 0.25" in r and "betas: (0.8, 0.95)" in r and "trust_ratio_bounds" in r
+
+
+def test_available_backends_lists_eager():
+    assert "eager" in fusedopt.available_backends()
+
+
+# ------------------------------------------------------------------------- torch behaviour
+@pytest.mark.parametrize("kind", KINDS)
+def test_closure_is_evaluated_with_grad_and_loss_returned(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters())
+    x = torch.randn(4, 6)
+
+    def closure():
+        opt.zero_grad()
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in m.parameters()]
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss) and loss.ndim == 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_params_without_grad_are_skipped(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters())
+    frozen = m[2].weight
+    before = frozen.detach().clone()
+    x = torch.randn(4, 6)
+    m(x).square().mean().backward()
+    frozen.grad = None
+    opt.step()
+    assert torch.equal(frozen, before)
+    assert frozen not in opt.state
+    assert opt.state[m[0].weight]["step"].item() == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_grad_sets_none(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters())
+    m(torch.randn(2, 6)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_add_param_group_validates_and_steps(kind):
+    m, extra = model(), torch.nn.Parameter(torch.randn(3, 3))
+    opt = OPTS[kind](m.parameters())
+    with pytest.raises(ValueError, match="weight_decay"):
+        opt.add_param_group({"params": [extra], "weight_decay": -1.0})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    extra.grad = torch.randn(3, 3)
+    before = extra.detach().clone()
+    opt.step()
+    assert not torch.equal(extra, before)
+    assert opt.param_groups[1]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lr_scheduler_drives_the_group_lr(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters(), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 1 else 1.0)
+    train(opt, m, 1)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0
+    before = [p.detach().clone() for p in m.parameters()]
+    train(opt, m, 2)
+    if kind == "lamb":  # lr = 0: no change at all
+        assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))
+    else:  # LARS with lr in the momentum: the buffer still carries the earlier lr * d
+        assert any(not torch.equal(b, p) for b, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_uses_torch_keys(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters())
+    train(opt, m, 2)
+    st = opt.state[m[0].weight]
+    keys = {"lamb": {"step", "exp_avg", "exp_avg_sq"}, "lars": {"step", "momentum_buffer"}}[kind]
+    assert set(st) == keys
+    assert st["step"].dtype == torch.float32 and st["step"].ndim == 0 and st["step"].item() == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", ["eager", "auto"])
+def test_state_dict_round_trip_continues_bit_for_bit(kind, backend):
+    m_full = model()
+    opt_full = OPTS[kind](m_full.parameters(), backend=backend, max_grad_norm=1.0)
+    train(opt_full, m_full, 3, seed=1)
+    train(opt_full, m_full, 3, seed=2)
+
+    m_a = model()
+    opt_a = OPTS[kind](m_a.parameters(), backend=backend, max_grad_norm=1.0)
+    train(opt_a, m_a, 3, seed=1)
+    buf = io.BytesIO()
+    torch.save({"model": m_a.state_dict(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    m_b = model(seed=5)
+    m_b.load_state_dict(ckpt["model"])
+    opt_b = OPTS[kind](m_b.parameters(), backend=backend, max_grad_norm=1.0)
+    opt_b.load_state_dict(ckpt["opt"])
+    train(opt_b, m_b, 3, seed=2)
+    for p, q in zip(m_full.parameters(), m_b.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepcopy_is_independent(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters())
+    train(opt, m, 1)
+    clone = copy.deepcopy(opt)
+    assert clone.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    st = next(iter(clone.state.values()))
+    key = "exp_avg" if kind == "lamb" else "momentum_buffer"
+    st[key].add_(1.0)
+    assert not torch.equal(st[key], opt.state[m[0].weight][key])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_never_modifies_grads(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters(), max_grad_norm=1e-3)
+    m(torch.randn(4, 6)).square().mean().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    opt.step()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, m.parameters()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_contiguous_params_are_updated_in_place(kind):
+    base = torch.randn(6, 8, dtype=torch.float64)
+    w = torch.nn.Parameter(base.clone().t())  # dense, transposed strides
+    strided = torch.nn.Parameter(torch.randn(6, 16, dtype=torch.float64)[:, ::2])  # not dense
+    ref_opt_params = [torch.nn.Parameter(w.detach().contiguous()), torch.nn.Parameter(strided.detach().contiguous())]
+    opt = OPTS[kind]([w, strided])
+    ref = OPTS[kind](ref_opt_params, backend="eager")
+    for _ in range(3):
+        g1, g2 = torch.randn(8, 6, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+        w.grad, strided.grad = g1, g2
+        ref_opt_params[0].grad, ref_opt_params[1].grad = g1.contiguous(), g2.contiguous()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(w.detach(), ref_opt_params[0].detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(strided.detach(), ref_opt_params[1].detach(), rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------- bad input
+BAD_CONSTRUCTION = [
+    # (kind, kwargs, exception, message regex)
+    ("lamb", dict(lr=-1.0), ValueError, r"Invalid lr: -1\.0"),
+    ("lamb", dict(eps=-1e-8), ValueError, r"Invalid eps: -1e-08"),
+    ("lamb", dict(weight_decay=-0.1), ValueError, r"Invalid weight_decay: -0\.1"),
+    ("lamb", dict(betas=(1.0, 0.999)), ValueError, r"Invalid beta1: 1\.0; expected 0 <= beta1 < 1"),
+    ("lamb", dict(betas=(0.9, -0.1)), ValueError, r"Invalid beta2: -0\.1"),
+    ("lamb", dict(max_grad_norm=0.0), ValueError, r"Invalid max_grad_norm: 0\.0"),
+    ("lamb", dict(max_grad_norm=-1.0), ValueError, r"Invalid max_grad_norm: -1\.0"),
+    ("lamb", dict(trust_ratio_bounds=(2.0, 1.0)), ValueError, r"Invalid trust_ratio_bounds.*lo <= hi"),
+    ("lamb", dict(trust_ratio_bounds=(-1.0, 1.0)), ValueError, r"Invalid trust_ratio_bounds.*0 <= lo"),
+    ("lamb", dict(backend="fast"), ValueError, r"Invalid backend: 'fast'"),
+    ("lamb", dict(master_weights="yes"), ValueError, r"Invalid master_weights"),
+    ("lars", dict(lr=-0.1), ValueError, r"Invalid lr: -0\.1"),
+    ("lars", dict(trust_coefficient=0.0), ValueError, r"Invalid trust_coefficient: 0\.0"),
+    ("lars", dict(momentum=-0.9), ValueError, r"Invalid momentum: -0\.9"),
+    ("lars", dict(eps=-1.0), ValueError, r"Invalid eps: -1\.0"),
+    ("lars", dict(weight_decay=-1.0), ValueError, r"Invalid weight_decay: -1\.0"),
+    ("lars", dict(nesterov=True, momentum=0.0), ValueError, r"nesterov.*momentum > 0"),
+    ("lars", dict(nesterov=True, dampening=0.1), ValueError, r"nesterov.*dampening = 0"),
+    ("lars", dict(denominator="max"), ValueError, r"Invalid denominator: 'max'"),
+    ("lars", dict(backend="gpu"), ValueError, r"Invalid backend: 'gpu'"),
+    ("lars", dict(max_grad_norm=0), ValueError, r"Invalid max_grad_norm: 0"),
+]
+
+
+@pytest.mark.parametrize("kind,kwargs,exc,msg", BAD_CONSTRUCTION,
+                         ids=[f"{k}-{'-'.join(kw)}-{i}" for i, (k, kw, _, _) in enumerate(BAD_CONSTRUCTION)])
+def test_bad_hyper_parameters_raise(kind, kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        OPTS[kind](model().parameters(), **kwargs)
+
+
+def _sparse_grad(m):
+    p = m[0].bias
+    p.grad = torch.zeros_like(p).to_sparse()
+
+
+def _complex_param(m):
+    return torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+
+def _meta_param(m):
+    return torch.nn.Parameter(torch.randn(3, device="meta"))
+
+
+BAD_STEP = [
+    # (name, setup(model) -> extra param or None, exception, message regex)
+    ("sparse", _sparse_grad, RuntimeError, r"sparse"),
+    ("complex", _complex_param, RuntimeError, r"complex"),
+    ("two_devices", _meta_param, RuntimeError, r"one device.*cpu.*meta"),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name,setup,exc,msg", BAD_STEP, ids=[b[0] for b in BAD_STEP])
+def test_bad_input_at_step_changes_nothing(kind, name, setup, exc, msg):
+    m = model()
+    opt = OPTS[kind](m.parameters())
+    train(opt, m, 2)
+    m(torch.randn(4, 6)).square().mean().backward()
+    extra = setup(m)
+    if extra is not None:
+        extra.grad = torch.zeros_like(extra)
+        opt.add_param_group({"params": [extra]}) if name == "complex" else opt.param_groups[0]["params"].append(extra)
+    before = snapshot(m, opt)
+    with pytest.raises(exc, match=msg):
+        opt.step()
+    assert_same(before, snapshot(m, opt))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_explicit_unusable_backend_raises_and_changes_nothing(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters(), backend="cuda")
+    m(torch.randn(4, 6)).square().mean().backward()
+    before = snapshot(m, opt)
+    with pytest.raises(RuntimeError, match=r"backend='cuda'"):
+        opt.step()
+    assert_same(before, snapshot(m, opt))
+    assert not opt.state
+
+
+# ------------------------------------------------------------------------- param_groups
+def test_param_groups_default_excludes_one_dimensional():
+    m = model()
+    groups = fusedopt.param_groups(m, weight_decay=0.1, lr=0.3)
+    names = {id(p): n for n, p in m.named_parameters()}
+    regular, excluded = groups
+    assert sorted(names[id(p)] for p in regular["params"]) == ["0.weight", "2.weight"]
+    assert sorted(names[id(p)] for p in excluded["params"]) == ["0.bias", "1.bias", "1.weight", "2.bias"]
+    assert regular["weight_decay"] == 0.1 and "adapt" not in regular and regular["lr"] == 0.3
+    assert excluded["weight_decay"] == 0.0 and excluded["adapt"] is False and excluded["lr"] == 0.3
+
+
+@pytest.mark.parametrize("exclude,expected", [
+    (("bias",), ["0.bias", "1.bias", "2.bias"]),
+    ("^1\\.", ["1.bias", "1.weight"]),
+    (lambda name, p: p.shape[0] == 3, ["2.bias", "2.weight"]),
+], ids=["patterns", "regex", "callable"])
+def test_param_groups_exclude_forms(exclude, expected):
+    m = model()
+    groups = fusedopt.param_groups(m.named_parameters(), weight_decay=0.1, exclude=exclude)
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert sorted(names[id(p)] for p in groups[1]["params"]) == expected
+
+
+def test_param_groups_only_one_of_the_two():
+    g = fusedopt.param_groups(model(), weight_decay=0.1, exclude_from_adaptation=False)
+    assert g[1]["weight_decay"] == 0.0 and g[1]["adapt"] is True
+    g = fusedopt.param_groups(model(), weight_decay=0.1, exclude_from_weight_decay=False)
+    assert g[1]["weight_decay"] == 0.1 and g[1]["adapt"] is False
+
+
+def test_param_groups_skip_frozen_and_reject_bad_exclude():
+    m = model()
+    m[0].weight.requires_grad_(False)
+    groups = fusedopt.param_groups(m, weight_decay=0.1)
+    assert all(p is not m[0].weight for g in groups for p in g["params"])
+    with pytest.raises(TypeError, match="Invalid exclude"):
+        fusedopt.param_groups(m, weight_decay=0.1, exclude=3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_excluded_group_gets_plain_update(kind):
+    """adapt=False, weight_decay=0: LAMB's step is lr*u, LARS's the plain momentum step."""
+    m = model()
+    opt = OPTS[kind](fusedopt.param_groups(m, weight_decay=0.1))
+    bias = m[0].bias
+    before = bias.detach().clone()
+    m(torch.randn(4, 6)).square().mean().backward()
+    g = bias.grad.clone()
+    opt.step()
+    if kind == "lamb":
+        expected = before - 1e-2 * g / (g.abs() + 1e-6)
+    else:
+        expected = before - 0.1 * g
+    torch.testing.assert_close(bias.detach(), expected, rtol=1e-5, atol=1e-7)
