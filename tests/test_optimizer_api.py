@@ -1,4 +1,5 @@
 """Behaviour users expect from torch optimizers, bad input, and the exclusion helper."""
+import ast
 import copy
 import inspect
 import io
@@ -63,12 +64,32 @@ def test_signature_defaults_equal_spec(cls, spec):
         assert sig["lr"].default is inspect.Parameter.empty  # LARS has no default lr
 
 
-@pytest.mark.parametrize("spec", [LAMB_SPEC, LARS_SPEC], ids=["lamb", "lars"])
-def test_readme_documents_the_same_defaults(spec):
-    readme = (ROOT / "README.md").read_text()
+def _readme_signature(name):
+    """The ``name(params, ...)`` signature block of the README, parsed into {arg: default}."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"{name}(params")
+    depth, i = 0, start + len(name)
+    while True:
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            break
+        i += 1
+    fn = ast.parse(f"def f{text[start + len(name):i + 1]}: pass").body[0].args
+    pos = fn.args[len(fn.args) - len(fn.defaults):]
+    out = {a.arg: ast.literal_eval(d) for a, d in zip(pos, fn.defaults)}
+    out.update({a.arg: ast.literal_eval(d) for a, d in zip(fn.kwonlyargs, fn.kw_defaults) if d is not None})
+    return out
+
+
+@pytest.mark.parametrize("cls,spec", [(fusedopt.FusedLAMB, LAMB_SPEC), (fusedopt.FusedLARS, LARS_SPEC)],
+                         ids=["lamb", "lars"])
+def test_readme_documents_the_same_defaults(cls, spec):
+    documented = _readme_signature(cls.__name__)
+    sig = inspect.signature(cls.__init__).parameters
     for name, value in spec.items():
-        text = f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}"
-        assert text in readme, f"README does not document the default {text}"
+        assert documented[name] == value, name
+    for name, value in documented.items():
+        assert sig[name].default == value, name
 
 
 def test_keyword_only_after_weight_decay():

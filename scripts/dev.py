@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Set up a virtual environment in .venv and run one of the project's jobs. Needs only python3.
+
+    python3 scripts/dev.py demo [args]    # the large-batch training demo (the main job)
+    python3 scripts/dev.py test [args]    # the test suite (what CI runs)
+    python3 scripts/dev.py bench [args]   # the step-time benchmark table
+
+torch is installed first, from FUSEDOPT_TORCH (default ``torch==2.13.0``: a CPU build on our
+machines; an unpinned torch would pull a multi-GB CUDA build), then requirements-dev.txt, then
+the project itself with ``pip install --no-build-isolation -e .`` (this builds the C++ extension).
+Set-up steps are skipped when their inputs have not changed since the last run.
+"""
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venv"
+PY = VENV / "bin" / "python"
+TORCH = os.environ.get("FUSEDOPT_TORCH", "torch==2.13.0")
+
+
+def sh(*cmd: str, **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, **kw)
+
+
+def digest(paths) -> str:
+    h = hashlib.sha256(TORCH.encode())
+    for p in sorted(paths):
+        h.update(str(p.relative_to(ROOT)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def step_once(name: str, inputs, *cmd: str) -> None:
+    stamp = VENV / f".stamp-{name}"
+    key = digest(inputs)
+    if stamp.exists() and stamp.read_text() == key:
+        return
+    sh(*cmd)
+    stamp.write_text(key)
+
+
+def setup() -> None:
+    if not PY.exists():
+        sh(sys.executable, "-m", "venv", str(VENV))
+    pip = (str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q")
+    step_once("torch", [], *pip, TORCH)
+    step_once("deps", [ROOT / "requirements-dev.txt"], *pip, "-r", "requirements-dev.txt")
+    sources = [ROOT / "setup.py", ROOT / "pyproject.toml", *ROOT.glob("csrc/**/*.*")]
+    step_once("project", sources, *pip, "--no-build-isolation", "-e", ".")
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("demo", "test", "bench"):
+        print(__doc__)
+        return 2
+    job, args = sys.argv[1], sys.argv[2:]
+    setup()
+    if job == "demo":
+        cmd = [str(PY), "-m", "fusedopt", "demo", *args]
+    elif job == "bench":
+        cmd = [str(PY), "-m", "fusedopt.bench", *args]
+    else:
+        cmd = [str(PY), "-m", "pytest", "-n", "2", "--dist", "loadfile", "-q", *args]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
