@@ -453,7 +453,8 @@ class DDPGradientNoiseScale:
         self._big: list[torch.Tensor] = []
         ddp_model.register_comm_hook(None, self._hook)
 
-    def _hook(self, _state: Any, bucket: Any) -> torch.futures.Future:
+    # no annotations: DDP checks them and `from __future__ import annotations` makes them strings
+    def _hook(self, _state, bucket):
         from .functional import sq_norms
 
         self._local.append(sq_norms([bucket.buffer()]))  # before the hook averages in place

@@ -66,6 +66,8 @@ class _TrustRatioOptimizer(Optimizer):
         candidate.update({k: v for k, v in param_group.items() if k != "params"})
         self._validate_group(candidate)
         check_backend_name(candidate["backend"])
+        if not isinstance(candidate["capturable"], bool):
+            raise ValueError(f"Invalid capturable: {candidate['capturable']!r}; expected True or False")
         mw = candidate["master_weights"]
         if mw is not None and not isinstance(mw, bool):
             raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
@@ -248,7 +250,15 @@ class FusedLAMB(_TrustRatioOptimizer):
         backend: ``"auto"`` (fastest usable, falling back to eager), ``"eager"``, ``"cpp"``,
             ``"triton"`` or ``"cuda"``; an explicit backend that cannot run raises at ``step()``.
         master_weights: keep an fp32 copy of bf16/fp16 params in ``state["master_param"]``
-            (None = yes for bf16/fp16 params).
+            (None = yes for bf16/fp16 params). The step updates the master and writes the param
+            back rounded to nearest even; trust-ratio norms use the master.
+        capturable: accepted for drop-in compatibility with torch optimizers. fusedopt steps are
+            always capturable in a CUDA graph: step counts live on the param's device, ``lr`` may
+            be a tensor, and ``step()`` never reads a tensor value on the host.
+
+    GradScaler: ``torch.amp.GradScaler`` hands its scale and ``found_inf`` to ``step()``; the
+    gradients are unscaled as they are read (``p.grad`` untouched) and a step with an inf/NaN
+    gradient is a no-op on the device, without a host sync.
     """
 
     _kind = "lamb"
@@ -270,13 +280,14 @@ class FusedLAMB(_TrustRatioOptimizer):
         adapt: bool = LAMB_DEFAULTS["adapt"],
         backend: str = "auto",
         master_weights: bool | None = None,
+        capturable: bool = False,
     ):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             bias_correction=bias_correction, grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
             decoupled_weight_decay=decoupled_weight_decay, adapt=adapt,
-            backend=backend, master_weights=master_weights,
+            backend=backend, master_weights=master_weights, capturable=capturable,
         )
         super().__init__(params, defaults)
 
@@ -327,13 +338,14 @@ class FusedLARS(_TrustRatioOptimizer):
         adapt: bool = LARS_DEFAULTS["adapt"],
         backend: str = "auto",
         master_weights: bool | None = None,
+        capturable: bool = False,
     ):
         defaults = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay,
             trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
             dampening=dampening, trust_clip=trust_clip, denominator=denominator,
             lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt,
-            backend=backend, master_weights=master_weights,
+            backend=backend, master_weights=master_weights, capturable=capturable,
         )
         super().__init__(params, defaults)
 

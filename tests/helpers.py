@@ -122,3 +122,20 @@ def tols(dtype):
 
 __all__ = ["SHAPES_SMALL", "LAMB_CASES", "LARS_CASES", "run_backend", "max_rel_err",
            "assert_within_rounding", "tols", "make_tensors", "math"]
+
+
+def backend_params(names=("eager", "cpp", "triton")):
+    """pytest params for backends, each skipped with the reason it cannot run on CPU tensors here."""
+    import pytest
+
+    from fusedopt import backends
+
+    out = []
+    for n in names:
+        be = backends.get_backend(n)
+        if be is None:
+            why = f"backend {n!r} is not available: {backends.load_error(n)}"
+        else:
+            why = be.unavailable_reason(torch.device("cpu"), torch.float32, torch.float32)
+        out.append(pytest.param(n, id=n, marks=pytest.mark.skipif(why is not None, reason=str(why))))
+    return out

@@ -119,16 +119,16 @@ class ChunkTable {
   std::vector<int64_t> elems_before_;  // chunks + 1 entries: prefix sums of the chunk lengths
 };
 
-// Per-tensor sums of the per-chunk partials partial[c * K + k], in chunk order (Note [chunk
-// partition]), written as out[i][k] (a [n, K] tensor of dtype T).
+// Per-tensor sums of the per-chunk partials partial[c * K + k], added in chunk order (Note [chunk
+// partition]) and written to out[i * K + k] for the n tensors of the table.
 template <typename T, int K>
-void reduce_partials(const ChunkTable& table, const std::vector<double>& partial, at::Tensor& out) {
-  T* o = out.data_ptr<T>();
-  for (int64_t i = 0; i < out.size(0); ++i) {
+void reduce_partials(const ChunkTable& table, const std::vector<double>& partial, T* out,
+                     int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
     for (int k = 0; k < K; ++k) {
       double s = 0.0;
       for (int64_t c = table.tensor_begin(i); c < table.tensor_end(i); ++c) s += partial[c * K + k];
-      o[i * K + k] = static_cast<T>(s);
+      out[i * K + k] = static_cast<T>(s);
     }
   }
 }

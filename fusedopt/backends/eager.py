@@ -149,13 +149,10 @@ class EagerBackend(Backend):
         d = torch._foreach_mul(s["d"], _per_tensor(ratio))
         mu, buf = h.momentum, b.momentum_buffers
         if h.lr_in_momentum:
+            lr_d = torch._foreach_mul(d, h.lr)  # h.lr may be a tensor (capturable steps)
             v = torch._foreach_mul(buf, mu)
-            torch._foreach_add_(v, d, alpha=h.lr)
-            if h.nesterov:
-                step = torch._foreach_mul(v, mu)
-                torch._foreach_add_(step, d, alpha=h.lr)
-            else:
-                step = v
+            torch._foreach_add_(v, lr_d)
+            step = torch._foreach_add(lr_d, v, alpha=mu) if h.nesterov else v
         else:
             later = (t != 1).to(b.compute_dtype)  # torch SGD: the buffer starts as d at t = 1
             a = _per_tensor(later * mu)

@@ -1,0 +1,523 @@
+// CPU multi-tensor LAMB / LARS passes and sq_norms (SPEC.md, docs/CONTRIBUTING_BACKENDS.md).
+//
+// Each op does its per-tensor work (step counts, bias corrections, trust ratios) in a serial setup,
+// then runs ONE parallel region over the chunks of all tensors of the bucket (multi_tensor.h).
+// The per-element math is fusedopt/math.h; the chunk functors below only load, call it and store.
+// Memory traffic per element and step is SPEC.md's model: LAMB pass 1 reads w, g, m, v and writes
+// m, v; pass 2 reads w, m, v and writes w. LARS pass 1 reads w, g; pass 2 reads w, g, v and
+// writes w, v. No parameter-sized temporary is allocated: only O(tensors + chunks) tables.
+#include "ops.h"
+
+#include <fusedopt/math.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "multi_tensor.h"
+
+namespace fusedopt {
+namespace cpu {
+namespace {
+
+// ------------------------------------------------------------------------------------- types
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Stands for "no low-precision param to write": the weights are the params themselves.
+struct NoParam {};
+
+// Math runs in float64 for float64 weights and in float32 for every other storage type.
+template <typename W>
+using ComputeT = std::conditional_t<std::is_same_v<W, double>, double, float>;
+
+// Calls f(TypeTag<S>{}) with S the C++ type of a supported storage dtype.
+template <typename F>
+void dispatch_storage(at::ScalarType s, const char* what, const F& f) {
+  switch (s) {
+    case at::kFloat: return f(TypeTag<float>{});
+    case at::kDouble: return f(TypeTag<double>{});
+    case at::kBFloat16: return f(TypeTag<c10::BFloat16>{});
+    case at::kHalf: return f(TypeTag<c10::Half>{});
+    default:
+      TORCH_CHECK(false, "fusedopt cpp backend: ", what, " of dtype ", s,
+                  " are not supported (float32, float64, bfloat16, float16 are)");
+  }
+}
+
+// Calls f(TypeTag<P>{}) with P the type of the params written beside fp32 masters, or NoParam.
+template <typename W, typename F>
+void dispatch_param_out(at::TensorList params, const F& f) {
+  if (params.empty()) return f(TypeTag<NoParam>{});
+  if constexpr (std::is_same_v<W, float>) {
+    switch (params[0].scalar_type()) {
+      case at::kBFloat16: return f(TypeTag<c10::BFloat16>{});
+      case at::kHalf: return f(TypeTag<c10::Half>{});
+      default: break;
+    }
+  }
+  TORCH_CHECK(false, "fusedopt cpp backend: master weights are float32 copies of bfloat16/float16 "
+              "params; got params of dtype ", params[0].scalar_type());
+}
+
+// ------------------------------------------------------------------------------ input checks
+
+// Checks one tensor list of a bucket and returns its dtype: n CPU tensors of one dtype, each
+// non-overlapping and dense with the numel and strides of the matching weight (so all can be
+// walked as flat arrays of numel() elements from data_ptr()).
+at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char* name) {
+  TORCH_CHECK(ts.size() == weights.size(), "fusedopt cpp backend: ", weights.size(),
+              " weights but ", ts.size(), " ", name);
+  if (ts.empty()) return at::kFloat;
+  const at::ScalarType dtype = ts[0].scalar_type();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    TORCH_CHECK(t.device().is_cpu(), "fusedopt cpp backend: ", name, "[", i, "] is on ",
+                t.device(), "; it runs on CPU tensors only");
+    TORCH_CHECK(t.scalar_type() == dtype, "fusedopt cpp backend: ", name, " mix dtypes ", dtype,
+                " and ", t.scalar_type());
+    TORCH_CHECK(t.is_non_overlapping_and_dense(), "fusedopt cpp backend: ", name, "[", i,
+                "] is not dense (strides ", t.strides(), ")");
+    TORCH_CHECK(t.numel() == weights[i].numel() && t.strides() == weights[i].strides(),
+                "fusedopt cpp backend: ", name, "[", i, "] has shape ", t.sizes(), " and strides ",
+                t.strides(), " but its weight ", weights[i].sizes(), " and ", weights[i].strides());
+  }
+  return dtype;
+}
+
+void check_state(at::TensorList ts, at::TensorList weights, at::ScalarType compute,
+                 const char* name) {
+  const at::ScalarType dtype = check_list(ts, weights, name);
+  TORCH_CHECK(ts.empty() || dtype == compute, "fusedopt cpp backend: ", name, " must be ", compute,
+              " (the compute dtype), got ", dtype);
+}
+
+void check_steps(at::TensorList steps, size_t n) {
+  TORCH_CHECK(steps.size() == n, "fusedopt cpp backend: ", n, " weights but ", steps.size(),
+              " steps");
+  for (const at::Tensor& s : steps) {
+    TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.numel() == 1,
+                "fusedopt cpp backend: step counts must be 0-dim float32 CPU tensors, got ",
+                s.scalar_type(), " of shape ", s.sizes(), " on ", s.device());
+  }
+}
+
+at::ScalarType compute_dtype(at::ScalarType weight_dtype) {
+  return weight_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The value of an optional 0-dim CPU tensor (read from memory: no device synchronization).
+double read_scalar(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.numel() == 1, "fusedopt cpp backend: ", name,
+              " must be a one-element CPU tensor, got shape ", t.sizes(), " on ", t.device());
+  return t.item<double>();
+}
+
+bool step_skipped(const std::optional<at::Tensor>& found_inf) {
+  return found_inf.has_value() && read_scalar(*found_inf, "found_inf") != 0.0;
+}
+
+template <typename T>
+T grad_multiplier(const std::optional<at::Tensor>& grad_mult) {
+  return grad_mult.has_value() ? static_cast<T>(read_scalar(*grad_mult, "grad_mult")) : T(1);
+}
+
+// ------------------------------------------------------------------------- hyper-parameters
+
+LambHyper lamb_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr) {
+  TORCH_CHECK(x.size() == kLambFields, "fusedopt cpp backend: LAMB hyper has ", x.size(),
+              " values, expected ", static_cast<int>(kLambFields));
+  LambHyper h;
+  h.lr = lr.has_value() ? read_scalar(*lr, "lr") : x[kLambLr];
+  h.beta1 = x[kLambBeta1];
+  h.beta2 = x[kLambBeta2];
+  h.beta3 = x[kLambBeta3];
+  h.eps = x[kLambEps];
+  h.weight_decay = x[kLambWeightDecay];
+  h.ratio_lo = x[kLambRatioLo];
+  h.ratio_hi = x[kLambRatioHi];
+  h.bias_correction = x[kLambBiasCorrection] != 0.0;
+  h.adapt = x[kLambAdapt] != 0.0;
+  h.decoupled = x[kLambDecoupled] != 0.0;
+  h.bounded = x[kLambBounded] != 0.0;
+  return h;
+}
+
+LarsHyper lars_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr) {
+  TORCH_CHECK(x.size() == kLarsFields, "fusedopt cpp backend: LARS hyper has ", x.size(),
+              " values, expected ", static_cast<int>(kLarsFields));
+  LarsHyper h;
+  h.lr = lr.has_value() ? read_scalar(*lr, "lr") : x[kLarsLr];
+  h.momentum = x[kLarsMomentum];
+  h.dampening = x[kLarsDampening];
+  h.weight_decay = x[kLarsWeightDecay];
+  h.trust_coefficient = x[kLarsTrustCoefficient];
+  h.eps = x[kLarsEps];
+  h.nesterov = x[kLarsNesterov] != 0.0;
+  h.trust_clip = x[kLarsTrustClip] != 0.0;
+  h.combined = x[kLarsCombined] != 0.0;
+  h.lr_in_momentum = x[kLarsLrInMomentum] != 0.0;
+  h.adapt = x[kLarsAdapt] != 0.0;
+  return h;
+}
+
+// Adds 1 to every step count and returns the new counts t (the serial setup of pass 1).
+std::vector<double> advance_steps(at::TensorList steps) {
+  std::vector<double> t(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    float* s = steps[i].data_ptr<float>();
+    *s = *s + 1.0f;
+    t[i] = static_cast<double>(*s);
+  }
+  return t;
+}
+
+std::vector<double> read_steps(at::TensorList steps) {
+  std::vector<double> t(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) t[i] = static_cast<double>(*steps[i].data_ptr<float>());
+  return t;
+}
+
+std::vector<int64_t> numels(at::TensorList ts) {
+  std::vector<int64_t> n(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) n[i] = ts[i].numel();
+  return n;
+}
+
+template <typename S>
+std::vector<S*> pointers(at::TensorList ts) {
+  std::vector<S*> p(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) p[i] = static_cast<S*>(ts[i].data_ptr());
+  return p;
+}
+
+// Sums of squares are returned in the compute dtype, [n, 2] (see the pass contract).
+template <typename T>
+at::Tensor finish_sums(const ChunkTable& table, const std::vector<double>& partial, int64_t n) {
+  at::Tensor sums = at::empty({n, 2}, at::dtype(c10::CppTypeToScalarType<T>::value));
+  reduce_partials<T, 2>(table, partial, sums.data_ptr<T>(), n);
+  return sums;
+}
+
+// Per-tensor sums of squares of pass 1, as doubles [n][2], read from the (contiguous) sums.
+template <typename T>
+std::vector<T> read_sums(const at::Tensor& sums, int64_t n) {
+  TORCH_CHECK(sums.dim() == 2 && sums.size(0) == n && sums.size(1) == 2,
+              "fusedopt cpp backend: sums must be [", n, ", 2], got ", sums.sizes());
+  const at::Tensor s = sums.to(at::kCPU, c10::CppTypeToScalarType<T>::value).contiguous();
+  const T* p = s.const_data_ptr<T>();
+  return std::vector<T>(p, p + 2 * n);
+}
+
+template <typename P, typename T>
+inline void store_param(P* p, int64_t k, T value) {
+  if constexpr (!std::is_same_v<P, NoParam>) p[k] = static_cast<P>(value);
+}
+
+// ------------------------------------------------------------------------- chunk functors
+// Each walks one chunk of one tensor: pointers are already offset to the chunk's first element.
+
+// LAMB pass 1: m <- beta1*m + beta3*g ; v <- beta2*v + (1-beta2)*g^2 (written back);
+// u = lamb_direction(w, m, v); out[0] = sum w^2, out[1] = sum u^2 over the chunk.
+template <typename W, typename G, typename T>
+void lamb_pass1_chunk(const W* __restrict__ w,  // weights (fp32 master or param), read
+                      const G* __restrict__ g,  // gradient, read as g * gm
+                      T* __restrict__ m,        // exp_avg, updated
+                      T* __restrict__ v,        // exp_avg_sq, updated
+                      int64_t n, const LambCoef<T> c, const T gm, double* out) {
+  alignas(64) T wb[kBlock];
+  alignas(64) T ub[kBlock];
+  SqSum w_sq, u_sq;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    for (int64_t k = 0; k < len; ++k) {
+      T mk = m[b + k];
+      T vk = v[b + k];
+      lamb_moments<T>(static_cast<T>(g[b + k]) * gm, mk, vk, c);
+      m[b + k] = mk;
+      v[b + k] = vk;
+      const T wk = static_cast<T>(w[b + k]);
+      wb[k] = wk;
+      ub[k] = lamb_direction<T>(wk, mk, vk, c);
+    }
+    w_sq.add(wb, len);
+    u_sq.add(ub, len);
+  }
+  out[0] = w_sq.total();
+  out[1] = u_sq.total();
+}
+
+// LAMB pass 2: u = lamb_direction(w, m, v) (the same call as pass 1), w <- w*decay - lr_phi*u;
+// with masters the param gets the new weight rounded to nearest even.
+template <typename W, typename P, typename T>
+void lamb_pass2_chunk(W* __restrict__ w,        // weights, updated
+                      P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
+                      const T* __restrict__ m,  // exp_avg, read
+                      const T* __restrict__ v,  // exp_avg_sq, read
+                      int64_t n, const LambCoef<T> c, const T lr_phi, const T decay) {
+  for (int64_t k = 0; k < n; ++k) {
+    const T wk = static_cast<T>(w[k]);
+    const T nw = lamb_apply<T>(wk, lamb_direction<T>(wk, m[k], v[k], c), lr_phi, decay);
+    w[k] = static_cast<W>(nw);
+    store_param(p, k, nw);
+  }
+}
+
+// LARS pass 1: out[0] = sum w^2; out[1] = sum g^2, or sum (g + lambda*w)^2 when kCombined.
+template <bool kCombined, typename W, typename G, typename T>
+void lars_pass1_chunk(const W* __restrict__ w,  // weights, read
+                      const G* __restrict__ g,  // gradient, read as g * gm
+                      int64_t n, const T gm, const T lambda, double* out) {
+  alignas(64) T wb[kBlock];
+  alignas(64) T gb[kBlock];
+  SqSum w_sq, g_sq;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    for (int64_t k = 0; k < len; ++k) {
+      const T wk = static_cast<T>(w[b + k]);
+      const T gk = static_cast<T>(g[b + k]) * gm;
+      wb[k] = wk;
+      gb[k] = kCombined ? gk + lambda * wk : gk;
+    }
+    w_sq.add(wb, len);
+    g_sq.add(gb, len);
+  }
+  out[0] = w_sq.total();
+  out[1] = g_sq.total();
+}
+
+// LARS pass 2: lars_apply (d = ratio*(g + lambda*w), momentum, w <- w - step). The two structural
+// switches of LarsCoef are made compile-time constants here so that each variant vectorizes.
+template <bool kLrInMomentum, bool kNesterov, typename W, typename G, typename P, typename T>
+void lars_pass2_chunk(W* __restrict__ w,        // weights, updated
+                      P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
+                      const G* __restrict__ g,  // gradient, read as g * gm
+                      T* __restrict__ v,        // momentum buffer, updated
+                      int64_t n, const T gm, LarsCoef<T> c) {
+  c.lr_in_momentum = kLrInMomentum;
+  c.nesterov = kNesterov;
+  for (int64_t k = 0; k < n; ++k) {
+    T vk = v[k];
+    const T nw = lars_apply<T>(static_cast<T>(w[k]), static_cast<T>(g[k]) * gm, vk, c);
+    v[k] = vk;
+    w[k] = static_cast<W>(nw);
+    store_param(p, k, nw);
+  }
+}
+
+template <typename W, typename G, typename P, typename T>
+void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t n, const T gm,
+                          const LarsCoef<T>& c) {
+  if (c.lr_in_momentum) {
+    if (c.nesterov) lars_pass2_chunk<true, true>(w, p, g, v, n, gm, c);
+    else lars_pass2_chunk<true, false>(w, p, g, v, n, gm, c);
+  } else {
+    if (c.nesterov) lars_pass2_chunk<false, true>(w, p, g, v, n, gm, c);
+    else lars_pass2_chunk<false, false>(w, p, g, v, n, gm, c);
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------- ops
+
+at::Tensor sq_norms(at::TensorList tensors) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  bool any_double = false;
+  std::vector<at::Tensor> dense(tensors.begin(), tensors.end());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(dense[i].device().is_cpu(), "fusedopt cpp backend: sq_norms got a tensor on ",
+                dense[i].device(), "; it runs on CPU tensors only");
+    any_double |= dense[i].scalar_type() == at::kDouble;
+    // A dense tensor's elements fill [data_ptr, data_ptr + numel) in some order; others are
+    // copied (never the case for the buckets of an optimizer step).
+    if (!dense[i].is_non_overlapping_and_dense()) dense[i] = dense[i].contiguous();
+  }
+  const ChunkTable table(numels(dense));
+  std::vector<double> partial(table.size());
+  table.parallel_for([&](int64_t c, const Chunk& ch) {
+    const at::Tensor& t = dense[ch.tensor];
+    dispatch_storage(t.scalar_type(), "sq_norms inputs", [&](auto tag) {
+      using S = typename decltype(tag)::type;
+      SqSum acc;
+      acc.add(static_cast<const S*>(t.const_data_ptr()) + ch.offset, ch.len);
+      partial[c] = acc.total();
+    });
+  });
+  at::Tensor out = at::empty({n}, at::dtype(any_double ? at::kDouble : at::kFloat));
+  if (any_double) {
+    reduce_partials<double, 1>(table, partial, out.data_ptr<double>(), n);
+  } else {
+    reduce_partials<float, 1>(table, partial, out.data_ptr<float>(), n);
+  }
+  return out;
+}
+
+at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList steps, at::ArrayRef<double> hyper,
+                      const std::optional<at::Tensor>& grad_mult,
+                      const std::optional<at::Tensor>& found_inf) {
+  const int64_t n = static_cast<int64_t>(weights.size());
+  const at::ScalarType w_dtype = check_list(weights, weights, "weights");
+  const at::ScalarType g_dtype = check_list(grads, weights, "grads");
+  const at::ScalarType compute = compute_dtype(w_dtype);
+  check_state(exp_avgs, weights, compute, "exp_avgs");
+  check_state(exp_avg_sqs, weights, compute, "exp_avg_sqs");
+  check_steps(steps, n);
+  const LambHyper h = lamb_hyper(hyper, std::nullopt);
+  if (n == 0 || step_skipped(found_inf)) return at::zeros({n, 2}, at::dtype(compute));
+  const std::vector<double> t = advance_steps(steps);
+  const ChunkTable table(numels(weights));
+  std::vector<double> partial(2 * table.size());
+  at::Tensor sums;
+  dispatch_storage(w_dtype, "weights", [&](auto w_tag) {
+    using W = typename decltype(w_tag)::type;
+    using T = ComputeT<W>;
+    dispatch_storage(g_dtype, "grads", [&](auto g_tag) {
+      using G = typename decltype(g_tag)::type;
+      std::vector<LambCoef<T>> coef(n);
+      for (int64_t i = 0; i < n; ++i) coef[i] = lamb_coef<T>(h, t[i]);
+      const T gm = grad_multiplier<T>(grad_mult);
+      const auto wp = pointers<const W>(weights);
+      const auto gp = pointers<const G>(grads);
+      const auto mp = pointers<T>(exp_avgs);
+      const auto vp = pointers<T>(exp_avg_sqs);
+      table.parallel_for([&](int64_t c, const Chunk& ch) {
+        const int64_t i = ch.tensor, o = ch.offset;
+        lamb_pass1_chunk<W, G, T>(wp[i] + o, gp[i] + o, mp[i] + o, vp[i] + o, ch.len, coef[i], gm,
+                                  &partial[2 * c]);
+      });
+      sums = finish_sums<T>(table, partial, n);
+    });
+  });
+  return sums;
+}
+
+void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
+                at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& sums,
+                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const std::optional<at::Tensor>& found_inf) {
+  const int64_t n = static_cast<int64_t>(weights.size());
+  const at::ScalarType w_dtype = check_list(weights, weights, "weights");
+  if (!params.empty()) check_list(params, weights, "params");
+  const at::ScalarType compute = compute_dtype(w_dtype);
+  check_state(exp_avgs, weights, compute, "exp_avgs");
+  check_state(exp_avg_sqs, weights, compute, "exp_avg_sqs");
+  check_steps(steps, n);
+  const LambHyper h = lamb_hyper(hyper, lr);
+  if (n == 0 || step_skipped(found_inf)) return;
+  const std::vector<double> t = read_steps(steps);
+  const ChunkTable table(numels(weights));
+  dispatch_storage(w_dtype, "weights", [&](auto w_tag) {
+    using W = typename decltype(w_tag)::type;
+    using T = ComputeT<W>;
+    dispatch_param_out<W>(params, [&](auto p_tag) {
+      using P = typename decltype(p_tag)::type;
+      const std::vector<T> s = read_sums<T>(sums, n);
+      std::vector<LambCoef<T>> coef(n);
+      std::vector<T> lr_phi(n);
+      for (int64_t i = 0; i < n; ++i) {
+        coef[i] = lamb_coef<T>(h, t[i]);
+        lr_phi[i] = static_cast<T>(h.lr) * lamb_trust_ratio<T>(s[2 * i], s[2 * i + 1], h);
+      }
+      const T decay = h.decoupled ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
+      const auto wp = pointers<W>(weights);
+      const auto pp = params.empty() ? std::vector<P*>(n, nullptr) : pointers<P>(params);
+      const auto mp = pointers<const T>(exp_avgs);
+      const auto vp = pointers<const T>(exp_avg_sqs);
+      table.parallel_for([&](int64_t, const Chunk& ch) {
+        const int64_t i = ch.tensor, o = ch.offset;
+        P* p = pp[i] == nullptr ? nullptr : pp[i] + o;
+        lamb_pass2_chunk<W, P, T>(wp[i] + o, p, mp[i] + o, vp[i] + o, ch.len, coef[i], lr_phi[i],
+                                  decay);
+      });
+    });
+  });
+}
+
+at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorList steps,
+                      at::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_mult,
+                      const std::optional<at::Tensor>& found_inf) {
+  const int64_t n = static_cast<int64_t>(weights.size());
+  const at::ScalarType w_dtype = check_list(weights, weights, "weights");
+  const at::ScalarType g_dtype = check_list(grads, weights, "grads");
+  const at::ScalarType compute = compute_dtype(w_dtype);
+  check_steps(steps, n);
+  const LarsHyper h = lars_hyper(hyper, std::nullopt);
+  if (n == 0 || step_skipped(found_inf)) return at::zeros({n, 2}, at::dtype(compute));
+  advance_steps(steps);
+  const ChunkTable table(numels(weights));
+  std::vector<double> partial(2 * table.size());
+  at::Tensor sums;
+  dispatch_storage(w_dtype, "weights", [&](auto w_tag) {
+    using W = typename decltype(w_tag)::type;
+    using T = ComputeT<W>;
+    dispatch_storage(g_dtype, "grads", [&](auto g_tag) {
+      using G = typename decltype(g_tag)::type;
+      const T gm = grad_multiplier<T>(grad_mult);
+      const T lambda = static_cast<T>(h.weight_decay);
+      const auto wp = pointers<const W>(weights);
+      const auto gp = pointers<const G>(grads);
+      table.parallel_for([&](int64_t c, const Chunk& ch) {
+        const int64_t i = ch.tensor, o = ch.offset;
+        double* out = &partial[2 * c];
+        if (h.combined) {
+          lars_pass1_chunk<true, W, G, T>(wp[i] + o, gp[i] + o, ch.len, gm, lambda, out);
+        } else {
+          lars_pass1_chunk<false, W, G, T>(wp[i] + o, gp[i] + o, ch.len, gm, lambda, out);
+        }
+      });
+      sums = finish_sums<T>(table, partial, n);
+    });
+  });
+  return sums;
+}
+
+void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList grads,
+                at::TensorList momentum_buffers, at::TensorList steps, const at::Tensor& sums,
+                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const std::optional<at::Tensor>& grad_mult,
+                const std::optional<at::Tensor>& found_inf) {
+  const int64_t n = static_cast<int64_t>(weights.size());
+  const at::ScalarType w_dtype = check_list(weights, weights, "weights");
+  const at::ScalarType g_dtype = check_list(grads, weights, "grads");
+  if (!params.empty()) check_list(params, weights, "params");
+  const at::ScalarType compute = compute_dtype(w_dtype);
+  check_state(momentum_buffers, weights, compute, "momentum_buffers");
+  check_steps(steps, n);
+  const LarsHyper h = lars_hyper(hyper, lr);
+  if (n == 0 || step_skipped(found_inf)) return;
+  const std::vector<double> t = read_steps(steps);
+  const ChunkTable table(numels(weights));
+  dispatch_storage(w_dtype, "weights", [&](auto w_tag) {
+    using W = typename decltype(w_tag)::type;
+    using T = ComputeT<W>;
+    dispatch_param_out<W>(params, [&](auto p_tag) {
+      using P = typename decltype(p_tag)::type;
+      dispatch_storage(g_dtype, "grads", [&](auto g_tag) {
+        using G = typename decltype(g_tag)::type;
+        const std::vector<T> s = read_sums<T>(sums, n);
+        std::vector<LarsCoef<T>> coef(n);
+        for (int64_t i = 0; i < n; ++i) {
+          coef[i] = lars_coef<T>(h, lars_trust_ratio<T>(s[2 * i], s[2 * i + 1], h), t[i]);
+        }
+        const T gm = grad_multiplier<T>(grad_mult);
+        const auto wp = pointers<W>(weights);
+        const auto pp = params.empty() ? std::vector<P*>(n, nullptr) : pointers<P>(params);
+        const auto gp = pointers<const G>(grads);
+        const auto vp = pointers<T>(momentum_buffers);
+        table.parallel_for([&](int64_t, const Chunk& ch) {
+          const int64_t i = ch.tensor, o = ch.offset;
+          P* p = pp[i] == nullptr ? nullptr : pp[i] + o;
+          lars_pass2_chunk_any<W, G, P, T>(wp[i] + o, p, gp[i] + o, vp[i] + o, ch.len, gm,
+                                           coef[i]);
+        });
+      });
+    });
+  });
+}
+
+}  // namespace cpu
+}  // namespace fusedopt

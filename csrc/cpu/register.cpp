@@ -1,0 +1,53 @@
+// Registration of the torch.ops.fusedopt.* operators and the (empty) Python module fusedopt._C
+// whose import loads them. Fake (meta) implementations are registered in Python, in
+// fusedopt/backends/cpp.py, which set_python_module names so torch can import it on demand.
+//
+// Arguments common to the passes (see docs/CONTRIBUTING_BACKENDS.md):
+//   weights    what the math reads as w: the fp32 masters when present, else the params
+//   params     the bf16/fp16 params written with the rounded weights when masters are present,
+//              else an empty list
+//   steps      0-dim float32 step counts; pass 1 adds 1 unless found_inf is nonzero
+//   hyper      the host-side scalars as doubles, in the order of LambField / LarsField (ops.h)
+//   lr         optional tensor learning rate, overriding hyper's lr
+//   grad_mult  optional 0-dim tensor: every gradient element is read as g * grad_mult
+//   found_inf  optional 0-dim float32 tensor: when nonzero the step changes nothing
+//   sums       [n, 2] per-tensor sums of squares returned by pass 1 (possibly all-reduced)
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(fusedopt, m) {
+  m.set_python_module("fusedopt.backends.cpp");
+  m.def("sq_norms(Tensor[] tensors) -> Tensor");
+  m.def(
+      "lamb_pass1(Tensor[] weights, Tensor[] grads, Tensor(a!)[] exp_avgs, "
+      "Tensor(b!)[] exp_avg_sqs, Tensor(c!)[] steps, float[] hyper, Tensor? grad_mult, "
+      "Tensor? found_inf) -> Tensor");
+  m.def(
+      "lamb_pass2(Tensor(a!)[] weights, Tensor(b!)[] params, Tensor[] exp_avgs, "
+      "Tensor[] exp_avg_sqs, Tensor[] steps, Tensor sums, float[] hyper, Tensor? lr, "
+      "Tensor? found_inf) -> ()");
+  m.def(
+      "lars_pass1(Tensor[] weights, Tensor[] grads, Tensor(a!)[] steps, float[] hyper, "
+      "Tensor? grad_mult, Tensor? found_inf) -> Tensor");
+  m.def(
+      "lars_pass2(Tensor(a!)[] weights, Tensor(b!)[] params, Tensor[] grads, "
+      "Tensor(c!)[] momentum_buffers, Tensor[] steps, Tensor sums, float[] hyper, Tensor? lr, "
+      "Tensor? grad_mult, Tensor? found_inf) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fusedopt, CPU, m) {
+  m.impl("sq_norms", &fusedopt::cpu::sq_norms);
+  m.impl("lamb_pass1", &fusedopt::cpu::lamb_pass1);
+  m.impl("lamb_pass2", &fusedopt::cpu::lamb_pass2);
+  m.impl("lars_pass1", &fusedopt::cpu::lars_pass1);
+  m.impl("lars_pass2", &fusedopt::cpu::lars_pass2);
+}
+
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {
+      PyModuleDef_HEAD_INIT, "_C", "fusedopt C++ CPU kernels, registered as torch.ops.fusedopt.*",
+      -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,142 @@
+"""C++ CPU backend: the multi-tensor kernels of ``csrc/cpu``, called as ``torch.ops.fusedopt.*``.
+
+Each pass is one operator call per bucket; inside it the per-tensor scalars are computed serially
+and the elements of all tensors run in one OpenMP region over fixed-size chunks, whose partial
+sums are reduced per tensor in a fixed order (bit-identical for any thread count). The extension
+``fusedopt._C`` is imported when this backend is first constructed; if it is missing, the
+constructor raises ImportError with the recorded build error, which ``backend="auto"`` treats as
+"use eager" and an explicit ``backend="cpp"`` reports.
+
+This module also registers the fake (meta) implementations of the operators, so that
+``torch.compile`` and FakeTensorMode can trace through them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import Backend
+from ..functional import Bucket
+from .._hyper import LambHyper, LarsHyper
+
+_SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_BUILD_ERRORS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_errors.txt")
+
+# Order of the doubles of the operators' ``hyper`` argument: LambField / LarsField in
+# csrc/cpu/ops.h (the fields of LambHyper / LarsHyper in csrc/fusedopt/math.h).
+LAMB_FIELDS = ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay", "ratio_lo", "ratio_hi",
+               "bias_correction", "adapt", "decoupled", "bounded")
+LARS_FIELDS = ("lr", "momentum", "dampening", "weight_decay", "trust_coefficient", "eps",
+               "nesterov", "trust_clip", "combined", "lr_in_momentum", "adapt")
+
+
+def _load_extension() -> None:
+    """Import ``fusedopt._C`` (which registers the operators), or raise ImportError with guidance."""
+    try:
+        from .. import _C  # noqa: F401
+    except ImportError as e:
+        msg = f"the fusedopt C++ extension (fusedopt._C) is not importable: {e}."
+        if os.path.exists(_BUILD_ERRORS):
+            with open(_BUILD_ERRORS) as f:
+                msg += f" Its build failed: {f.read().strip()}."
+        msg += " Reinstall with `pip install --no-build-isolation -e .` (needs a C++17 compiler)."
+        raise ImportError(msg) from e
+
+
+def _hyper_args(h, fields: tuple[str, ...], device: torch.device):
+    """``hyper`` as a list of doubles, and a tensor ``lr`` (None when lr is a number)."""
+    lr = h.lr if isinstance(h.lr, torch.Tensor) else None
+    values = [0.0 if (name == "lr" and lr is not None) else float(getattr(h, name)) for name in fields]
+    if lr is not None:
+        lr = lr.to(device=device, dtype=torch.float64)
+    return values, lr
+
+
+def _low_precision_params(b: Bucket) -> list[torch.Tensor]:
+    """The params written beside fp32 masters (empty when the weights are the params)."""
+    return b.params if b.masters is not None else []
+
+
+# ------------------------------------------------------------------------- fake implementations
+
+def _sums_like(weights):
+    if not weights:
+        return torch.empty((0, 2), dtype=torch.float32)
+    dtype = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
+    return weights[0].new_empty((len(weights), 2), dtype=dtype)
+
+
+def _register_fakes() -> None:
+    lib = torch.library
+
+    @lib.register_fake("fusedopt::sq_norms")
+    def _(tensors):
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        if not tensors:
+            return torch.empty((0,), dtype=dtype)
+        return tensors[0].new_empty((len(tensors),), dtype=dtype)
+
+    @lib.register_fake("fusedopt::lamb_pass1")
+    def _(weights, grads, exp_avgs, exp_avg_sqs, steps, hyper, grad_mult, found_inf):
+        return _sums_like(weights)
+
+    @lib.register_fake("fusedopt::lamb_pass2")
+    def _(weights, params, exp_avgs, exp_avg_sqs, steps, sums, hyper, lr, found_inf):
+        return None
+
+    @lib.register_fake("fusedopt::lars_pass1")
+    def _(weights, grads, steps, hyper, grad_mult, found_inf):
+        return _sums_like(weights)
+
+    @lib.register_fake("fusedopt::lars_pass2")
+    def _(weights, params, grads, momentum_buffers, steps, sums, hyper, lr, grad_mult, found_inf):
+        return None
+
+
+_fakes_registered = False
+
+
+class CppBackend(Backend):
+    name = "cpp"
+
+    def __init__(self):
+        global _fakes_registered
+        _load_extension()
+        if not _fakes_registered:
+            _register_fakes()
+            _fakes_registered = True
+        self._ops = torch.ops.fusedopt
+
+    def unavailable_reason(self, device, param_dtype, grad_dtype):
+        if device.type != "cpu":
+            return f"the cpp backend runs on CPU tensors only, not on {device.type}"
+        for what, dtype in (("param", param_dtype), ("grad", grad_dtype)):
+            if dtype not in _SUPPORTED:
+                return (f"the cpp backend has no kernel for {what} dtype {dtype} "
+                        "(float32, float64, bfloat16 and float16 are supported)")
+        return None
+
+    def sq_norms(self, tensors):
+        return self._ops.sq_norms(list(tensors))
+
+    # ----------------------------------------------------------------- LAMB
+    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
+        hyper, _ = _hyper_args(h, LAMB_FIELDS, b.device)
+        return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, hyper,
+                                    grad_mult, found_inf)
+
+    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
+        hyper, lr = _hyper_args(h, LAMB_FIELDS, b.device)
+        self._ops.lamb_pass2(b.weights, _low_precision_params(b), b.exp_avgs, b.exp_avg_sqs,
+                             b.steps, sums, hyper, lr, found_inf)
+
+    # ----------------------------------------------------------------- LARS
+    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
+        hyper, _ = _hyper_args(h, LARS_FIELDS, b.device)
+        return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)
+
+    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
+        hyper, lr = _hyper_args(h, LARS_FIELDS, b.device)
+        self._ops.lars_pass2(b.weights, _low_precision_params(b), b.grads, b.momentum_buffers,
+                             b.steps, sums, hyper, lr, grad_mult, found_inf)
