@@ -27,12 +27,11 @@ def test_triton_backend_imports_when_triton_is_installed():
     assert backends.get_backend("triton") is not None, backends.load_error("triton")
 
 
-def test_explicit_backend_error_names_device_dtype_and_reason():
+def test_explicit_backend_error_names_device_dtype_and_reason(monkeypatch):
     be = backends.get_backend("triton")
     if be is None:
         pytest.skip(f"triton backend not importable: {backends.load_error('triton')}")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 lets Triton run on CPU tensors in this process")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read when a backend is chosen
     with pytest.raises(RuntimeError, match=r"backend='triton' cannot run on cpu tensors with param dtype torch.float32"):
         backends.resolve("triton", torch.device("cpu"), torch.float32, torch.float32)
 
