@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from itertools import chain
+from operator import attrgetter, methodcaller
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,17 @@ from ._hyper import (
 from .functional import Bucket, compute_dtype, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+_DEVICE = attrgetter("device")
+_DTYPE = attrgetter("dtype")
+_LAYOUT = attrgetter("layout")
+_SHAPE = attrgetter("shape")
+_CONTIGUOUS = methodcaller("is_contiguous")
+
+
+def _any_dtensor(ts: list[torch.Tensor]) -> bool:
+    return any(hasattr(t, "to_local") for t in ts)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -98,95 +110,91 @@ class _TrustRatioOptimizer(Optimizer):
         return state
 
     # ----------------------------------------------------------------- step
-    def _checked_params(self) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
-        """Params with grads per group; raises before anything is modified."""
-        out = []
-        for gi, group in enumerate(self.param_groups):
-            ps = [p for p in group["params"] if p.grad is not None]
-            devices = set()
-            for p in ps:
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients "
-                        f"(param group {gi}, param of shape {tuple(p.shape)})"
-                    )
-                if p.is_complex():
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support complex params "
-                        f"(param group {gi}, dtype {p.dtype})"
-                    )
-                if not p.is_floating_point() or not p.grad.is_floating_point():
-                    raise RuntimeError(
-                        f"{type(self).__name__} needs floating-point params and grads "
-                        f"(param group {gi}: param {p.dtype}, grad {p.grad.dtype})"
-                    )
-                if p.grad.shape != p.shape:
-                    raise RuntimeError(
-                        f"grad of shape {tuple(p.grad.shape)} does not match its param of shape "
-                        f"{tuple(p.shape)} (param group {gi})"
-                    )
-                devices.add(p.device)
-                if p.grad.device != p.device:
-                    raise RuntimeError(
-                        f"grad on {p.grad.device} for a param on {p.device} (param group {gi})"
-                    )
-            if len(devices) > 1:
-                raise RuntimeError(
-                    f"params of one group must be on one device; param group {gi} has params on "
-                    f"{sorted(str(d) for d in devices)}"
-                )
-            out.append((group, ps))
-        return out
+    def _check_group(self, gi: int, ps: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
+        """Raise on bad input of one group before anything is modified (set-based: cheap for
+        thousands of tensors)."""
+        name = type(self).__name__
+        if any(lay is not torch.strided for lay in set(map(_LAYOUT, gs))):
+            raise RuntimeError(f"{name} does not support sparse gradients (param group {gi})")
+        dtypes = set(map(_DTYPE, ps)) | set(map(_DTYPE, gs))
+        if any(d.is_complex for d in dtypes):
+            raise RuntimeError(f"{name} does not support complex params (param group {gi}: {sorted(map(str, dtypes))})")
+        if not all(d.is_floating_point for d in dtypes):
+            raise RuntimeError(
+                f"{name} needs floating-point params and grads (param group {gi}: {sorted(map(str, dtypes))})"
+            )
+        devices = set(map(_DEVICE, ps)) | set(map(_DEVICE, gs))
+        if len(devices) > 1:
+            raise RuntimeError(
+                f"params of one group must be on one device; param group {gi} has params and grads on "
+                f"{sorted(str(d) for d in devices)}"
+            )
+        if list(map(_SHAPE, ps)) != list(map(_SHAPE, gs)):
+            bad = next(i for i, (p, g) in enumerate(zip(ps, gs)) if p.shape != g.shape)
+            raise RuntimeError(
+                f"grad of shape {tuple(gs[bad].shape)} does not match its param of shape "
+                f"{tuple(ps[bad].shape)} (param group {gi})"
+            )
 
     def _build_plan(self):
-        checked = self._checked_params()
+        staged = []
+        for gi, group in enumerate(self.param_groups):
+            ps = [p for p in group["params"] if p.grad is not None]
+            gs = [p.grad for p in ps]
+            lps, lgs = (list(map(_local, ps)), list(map(_local, gs))) if _any_dtensor(ps) else (ps, gs)
+            self._check_group(gi, lps, lgs)
+            keys = list(zip(map(_DEVICE, lps), map(_DTYPE, lps), map(_DTYPE, lgs)))
+            staged.append((group, ps, lps, lgs, keys, lps is not ps))
         # Resolve every backend before any state is created, so a refusal changes nothing.
-        keyed = []
-        for group, ps in checked:
-            keys = {}
-            for p in ps:
-                lp, lg = _local(p), _local(p.grad)
-                key = (lp.device, lp.dtype, lg.dtype, self._uses_master(group, lp))
-                if key not in keys:
-                    keys[key] = _backends.resolve(group["backend"], lp.device, lp.dtype, lg.dtype)
-            keyed.append((group, ps, keys))
+        backends_of = [{k: _backends.resolve(group["backend"], *k) for k in set(keys)}
+                       for group, _, _, _, keys, _ in staged]
         plan = []
-        for group, ps, keys in keyed:
-            buckets: dict[tuple, Bucket] = {}
-            for p in ps:
-                state = self._init_state(group, p)
-                lp, lg = _local(p), _local(p.grad)
-                key = (lp.device, lp.dtype, lg.dtype, self._uses_master(group, lp))
-                b = buckets.get(key)
-                if b is None:
-                    b = buckets[key] = Bucket(params=[], grads=[], steps=[], masters=[] if key[3] else None,
-                                              **{k + "s": [] for k in self._state_keys})
-                self._append(b, lp, lg, state)
-            entries = [(keys[k], b) for k, b in buckets.items()]
+        for (group, ps, lps, lgs, keys, sharded), resolved in zip(staged, backends_of):
+            states = [self.state[p] for p in ps]
+            for p, st in zip(ps, states):
+                if not st:
+                    self._init_state(group, p)
+            by_key: dict[tuple, list[int]] = {}
+            if len(resolved) == 1:
+                by_key[keys[0] if keys else None] = range(len(ps))
+            else:
+                for i, k in enumerate(keys):
+                    by_key.setdefault(k, []).append(i)
+            entries = [(resolved[k], self._bucket(group, [lps[i] for i in idx], [lgs[i] for i in idx],
+                                                  [states[i] for i in idx], sharded))
+                       for k, idx in by_key.items() if k is not None]
             plan.append((self._hyper(group), entries))
         return plan
 
-    def _append(self, b: Bucket, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any]) -> None:
-        tensors = {"param": p, "grad": g}
-        if b.masters is not None:
-            tensors["master_param"] = _local(state["master_param"])
+    def _bucket(self, group, ps, gs, states, sharded: bool) -> Bucket:
+        """A Bucket of one (device, param dtype, grad dtype), with contiguous stand-ins (written
+        back after the step) for any param whose tensors do not share one dense layout."""
+        master = self._uses_master(group, ps[0])
+        local = _local if sharded else (lambda t: t)
+        lists = {"params": ps, "grads": gs, "steps": [st["step"] for st in states],
+                 "masters": [local(st["master_param"]) for st in states] if master else None}
         for k in self._state_keys:
-            tensors[k] = _local(state[k])
-        if not all(_dense_layout(t) and t.stride() == p.stride() for t in tensors.values()):
-            stand_ins = {k: t.contiguous() for k, t in tensors.items()}
-            b.writeback.extend((t, stand_ins[k]) for k, t in tensors.items() if k != "grad")
-            tensors = stand_ins
-        b.params.append(tensors["param"])
-        b.grads.append(tensors["grad"])
-        b.steps.append(state["step"])
-        if b.masters is not None:
-            b.masters.append(tensors["master_param"])
-        for k in self._state_keys:
-            getattr(b, k + "s").append(tensors[k])
+            lists[k + "s"] = [local(st[k]) for st in states]
+        b = Bucket(**lists)
+        stateful = [lists[k + "s"] for k in self._state_keys] + ([lists["masters"]] if master else [])
+        if all(all(map(_CONTIGUOUS, xs)) for xs in [ps, gs, *stateful]):
+            return b
+        for i, p in enumerate(ps):
+            row = [ps, gs, *stateful]
+            if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in row):
+                continue
+            for j, xs in enumerate(row):
+                stand_in = xs[i].contiguous()
+                if j != 1:  # grads are only read
+                    b.writeback.append((xs[i], stand_in))
+                xs[i] = stand_in
+        return b
 
     def _reducer(self):
-        """Cross-rank reducer of norm partial sums; None unless params are sharded."""
-        return None
+        """Cross-rank reducer of norm partial sums; None unless params are sharded (or ZeRO global
+        clipping is enabled), see :mod:`fusedopt.distributed`."""
+        from .distributed import reducer_for
+        return reducer_for(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):

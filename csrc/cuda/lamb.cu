@@ -1,0 +1,189 @@
+// LAMB on CUDA (SPEC.md, NVLAMB form), two passes per bucket:
+//   pass 1  m <- beta1*m + beta3*g ;  v <- beta2*v + (1-beta2)*g^2   (written back)
+//           u = m_hat / (sqrt(v_hat) + eps) + lambda*w ;  sums = (|w|^2, |u|^2) per tensor
+//   pass 2  phi = |w| / |u| (zero-norm rule, bounds, adapt) ;  w <- w*decay - lr*phi*u
+// Memory traffic per element is SPEC.md's 40 B for fp32: pass 1 reads w, g, m, v and writes m, v;
+// pass 2 reads w, m, v (recomputing u with the same call as pass 1) and writes w.
+//
+// Note [shared math]: every per-element and per-tensor formula below is a call into
+// fusedopt/math.h (lamb_coef, lamb_moments, lamb_direction, lamb_trust_ratio, lamb_apply), the
+// header the C++ CPU backend uses too and that its tests exercise on the host against the float64
+// reference. The functors here only load, call the math, accumulate and store.
+#include "multi_tensor_apply.cuh"
+
+namespace fusedopt {
+namespace cuda {
+namespace {
+
+// Pass 1 of one chunk. Table rows: w, g, m, v, step.
+template <typename T, typename W, typename G>
+struct LambPass1 {
+  enum Row { kW, kG, kM, kV, kStep, kRows };
+  static constexpr int N = ilp_for<T, W, G>();
+  LambHyper h;
+  const T* grad_mult;   // 0-dim or nullptr
+  const float* found_inf;  // 0-dim or nullptr
+  T* partials;          // [chunks, 2] workspace
+
+  __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
+                             int64_t row) const {
+    T acc[2] = {T(0), T(0)};
+    if (!step_skipped(found_inf)) {
+      const W* w = chunk_ptr<const W>(t, kW, slot, begin);
+      const G* g = chunk_ptr<const G>(t, kG, slot, begin);
+      T* m = chunk_ptr<T>(t, kM, slot, begin);
+      T* v = chunk_ptr<T>(t, kV, slot, begin);
+      // Note [step counts]: pass 1 uses the new t; the reduction stores it after every chunk ran.
+      const float step = *static_cast<const float*>(t.ptrs[kStep][slot]) + 1.0f;
+      const LambCoef<T> c = lamb_coef<T>(h, step);
+      const T gm = grad_mult != nullptr ? *grad_mult : T(1);
+      for_each_group<N>(count, all_aligned(w, g, m, v), [&](int off, int n, bool vec) {
+        T wr[N], gr[N], mr[N], vr[N];
+        load_group(wr, w, off, n, vec);
+        load_group(gr, g, off, n, vec);
+        load_group(mr, m, off, n, vec);
+        load_group(vr, v, off, n, vec);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          lamb_moments<T>(gr[k] * gm, mr[k], vr[k], c);
+          const T u = lamb_direction<T>(wr[k], mr[k], vr[k], c);
+          if (k < n) {
+            acc[0] += wr[k] * wr[k];
+            acc[1] += u * u;
+          }
+        }
+        store_group(m, mr, off, n, vec);
+        store_group(v, vr, off, n, vec);
+      });
+    }
+    write_partials(acc, partials, row);
+  }
+};
+
+// Pass 2 of one chunk. Table rows: w, m, v, [param,] step.
+template <typename T, typename W, typename P>
+struct LambPass2 {
+  static constexpr bool kHasParam = !std::is_same<P, NoParam>::value;
+  enum Row { kW, kM, kV, kP, kStep = kHasParam ? 4 : 3, kRows = kStep + 1 };
+  static constexpr int N = kHasParam ? ilp_for<T, W, P>() : ilp_for<T, W>();
+  LambHyper h;
+  const T* sums;           // [n, 2] from pass 1 (possibly all-reduced)
+  const float* found_inf;  // 0-dim or nullptr
+  const double* lr;        // 0-dim or nullptr
+
+  __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
+                             int64_t) const {
+    if (step_skipped(found_inf)) return;
+    W* w = chunk_ptr<W>(t, kW, slot, begin);
+    const T* m = chunk_ptr<const T>(t, kM, slot, begin);
+    const T* v = chunk_ptr<const T>(t, kV, slot, begin);
+    const float step = *static_cast<const float*>(t.ptrs[kStep][slot]);
+    const LambCoef<T> c = lamb_coef<T>(h, step);
+    const int64_t i = t.index[slot];
+    const double lr_value = lr != nullptr ? *lr : h.lr;
+    const T lr_phi = static_cast<T>(lr_value) * lamb_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], h);
+    const T decay = h.decoupled ? static_cast<T>(1.0 - lr_value * h.weight_decay) : T(1);
+    if constexpr (kHasParam) {
+      P* p = chunk_ptr<P>(t, kP, slot, begin);
+      for_each_group<N>(count, all_aligned(w, m, v, p), [&](int off, int n, bool vec) {
+        T wr[N], mr[N], vr[N];
+        load_group(wr, w, off, n, vec);
+        load_group(mr, m, off, n, vec);
+        load_group(vr, v, off, n, vec);
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+          wr[k] = lamb_apply<T>(wr[k], lamb_direction<T>(wr[k], mr[k], vr[k], c), lr_phi, decay);
+        store_group(w, wr, off, n, vec);
+        store_group(p, wr, off, n, vec);
+      });
+    } else {
+      for_each_group<N>(count, all_aligned(w, m, v), [&](int off, int n, bool vec) {
+        T wr[N], mr[N], vr[N];
+        load_group(wr, w, off, n, vec);
+        load_group(mr, m, off, n, vec);
+        load_group(vr, v, off, n, vec);
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+          wr[k] = lamb_apply<T>(wr[k], lamb_direction<T>(wr[k], mr[k], vr[k], c), lr_phi, decay);
+        store_group(w, wr, off, n, vec);
+      });
+    }
+  }
+};
+
+template <typename T, typename W, typename G>
+cudaError_t run_pass1(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s, T* sums,
+                      T* partials, cudaStream_t stream) {
+  using Op = LambPass1<T, W, G>;
+  const Op op{h, static_cast<const T*>(s.grad_mult), s.found_inf, partials};
+  void* const* const lists[Op::kRows] = {b.weights, b.grads, b.state1, b.state2,
+                                         reinterpret_cast<void* const*>(b.steps)};
+  return for_each_table<Op::kRows>(
+      b.n, b.numel, lists, /*keep_empty=*/true,
+      [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
+        const cudaError_t err = launch_chunks(table, blocks, op, stream);
+        if (err != cudaSuccess) return err;
+        return launch_reduce<2, Op::kStep>(table, static_cast<const T*>(partials), sums,
+                                           s.found_inf, stream);
+      });
+}
+
+template <typename T, typename W, typename P>
+cudaError_t run_pass2(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
+                      const T* sums, cudaStream_t stream) {
+  using Op = LambPass2<T, W, P>;
+  const Op op{h, sums, s.found_inf, s.lr};
+  void* const* const steps = reinterpret_cast<void* const*>(b.steps);
+  if constexpr (Op::kHasParam) {
+    void* const* const lists[Op::kRows] = {b.weights, b.state1, b.state2, b.params, steps};
+    return for_each_table<Op::kRows>(
+        b.n, b.numel, lists, /*keep_empty=*/false,
+        [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
+          return launch_chunks(table, blocks, op, stream);
+        });
+  } else {
+    void* const* const lists[Op::kRows] = {b.weights, b.state1, b.state2, steps};
+    return for_each_table<Op::kRows>(
+        b.n, b.numel, lists, /*keep_empty=*/false,
+        [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
+          return launch_chunks(table, blocks, op, stream);
+        });
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_lamb_pass1(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
+                              void* sums, void* partials, cudaStream_t stream) {
+  if (b.weight_dtype == DType::kFloat64) {
+    if (b.grad_dtype != DType::kFloat64) return cudaErrorNotSupported;
+    return run_pass1<double, double, double>(b, h, s, static_cast<double*>(sums),
+                                             static_cast<double*>(partials), stream);
+  }
+  return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
+    return dispatch_fp32_compute(b.grad_dtype, [&](auto g_tag) {
+      using W = typename decltype(w_tag)::type;
+      using G = typename decltype(g_tag)::type;
+      return run_pass1<float, W, G>(b, h, s, static_cast<float*>(sums),
+                                    static_cast<float*>(partials), stream);
+    });
+  });
+}
+
+cudaError_t launch_lamb_pass2(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
+                              const void* sums, cudaStream_t stream) {
+  if (b.weight_dtype == DType::kFloat64) {
+    if (b.params != nullptr) return cudaErrorNotSupported;
+    return run_pass2<double, double, NoParam>(b, h, s, static_cast<const double*>(sums), stream);
+  }
+  return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
+    return dispatch_param_out(b, [&](auto p_tag) {
+      using W = typename decltype(w_tag)::type;
+      using P = typename decltype(p_tag)::type;
+      return run_pass2<float, W, P>(b, h, s, static_cast<const float*>(sums), stream);
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace fusedopt

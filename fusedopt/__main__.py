@@ -1,0 +1,39 @@
+"""Command line: ``python -m fusedopt {demo,bench} [options]`` (also the ``fusedopt`` script).
+
+``demo`` runs :mod:`fusedopt.demo` (small vs large batch on scikit-learn's digits);
+``bench`` forwards its arguments to :func:`fusedopt.bench.main`.
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: fusedopt {demo,bench} [options]
+
+commands:
+  demo    small-batch vs large-batch training (SGD, linear scaling + warm-up, LARS, LAMB) on
+          scikit-learn's digits: prints a table, writes a plot (fusedopt demo --help)
+  bench   optimizer step-time benchmark (fusedopt bench --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from . import demo
+
+        return demo.main(rest)
+    if cmd == "bench":
+        from . import bench
+
+        rc = bench.main(rest)
+        return 0 if rc is None else int(rc)
+    print(f"fusedopt: error: unknown command {cmd!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""Distributed training: sharded trust-ratio norms (FSDP2 / DTensor), ZeRO and DDP helpers.
+
+Sharded params (FSDP2 ``fully_shard``, or any DTensor with a ``Shard`` placement)
+------------------------------------------------------------------------------------
+The optimizer updates the local shards. A trust ratio needs norms of the *full* tensors, so every
+backend returns per-rank partial sums of squares and :class:`ShardedNormReducer` completes them:
+
+* trust-ratio sums: the ``[n_b, 2]`` sums of all buckets of the step are stacked into one tensor
+  and all-reduced once per device mesh (one collective per step for the usual single FSDP2 mesh),
+  over the mesh dimensions along which the step's tensors are sharded;
+* global clipping (``max_grad_norm``): the local total ``Σ‖g‖²`` is all-reduced once more before
+  pass 1 (LAMB's moments need the clipped gradient), over the same mesh dimensions (over the
+  default group when the step has sharded tensors on more than one mesh).
+
+Counting rule (note "count once"): a sum is added over the ranks that hold *different* pieces of a
+tensor and counted once among the ranks that hold the same piece. A tensor's rows take part in its
+mesh's collective only if it is sharded on some mesh dimension; within the collective, a rank
+contributes the rows of a tensor only if its mesh coordinate is 0 on every reduced dimension along
+which that tensor is replicated (the other ranks contribute zeros). Fully replicated DTensors and
+plain tensors hold complete values: their trust-ratio sums are used as they are, and in the
+global-clipping total they count on one rank of the reduction group only (plain tensors in a
+sharded step are assumed to be identical on every rank). ``Partial`` placements are refused.
+
+Nothing here reads a tensor value on the host, and no parameter is ever gathered.
+
+ZeRO
+----
+``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=FusedLAMB, ...)`` gives
+each rank whole tensors, so trust-ratio norms are local and need no communication. Global clipping
+is different: each rank's optimizer sees only the gradients it owns, so ``max_grad_norm`` would clip
+by a per-rank norm. :func:`enable_zero_global_clipping` makes it all-reduce the total (one
+collective per step).
+
+DDP
+---
+DDP needs nothing from the optimizer (gradients are already averaged). :func:`accumulate` runs
+gradient accumulation with the gradient all-reduce on the last micro-batch only.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import backends as _backends
+
+if TYPE_CHECKING:
+    from .functional import Bucket
+
+__all__ = ["ShardedNormReducer", "accumulate", "enable_zero_global_clipping", "reducer_for"]
+
+T = TypeVar("T")
+
+_UNSET = object()
+# attribute of a fusedopt optimizer that holds the ZeRO process group (enable_zero_global_clipping)
+_ZERO_GROUP_ATTR = "_fusedopt_zero_group"
+
+
+def _dtensor_type():
+    """The DTensor class, or None where this torch build has no distributed tensors."""
+    if not dist.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one param of the step is laid out across ranks."""
+
+    mesh: Any  # DeviceMesh, or None for a plain tensor
+    shard_dims: tuple[int, ...]  # mesh dims along which the tensor is split
+    coord: tuple[int, ...] | None  # this rank's coordinate in ``mesh`` (None: not in the mesh)
+
+    def primary(self, dims: Iterable[int]) -> bool:
+        """True if this rank counts the tensor's piece among the ranks that differ only along
+        ``dims`` (its coordinate is 0 on every one of ``dims`` that does not shard the tensor)."""
+        return self.coord is not None and all(
+            self.coord[d] == 0 for d in dims if d not in self.shard_dims
+        )
+
+
+def _layout(p: torch.Tensor, dtensor_type) -> _Layout:
+    if dtensor_type is None or not isinstance(p, dtensor_type):
+        return _Layout(None, (), None)
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    g = p.grad
+    if not isinstance(g, dtensor_type) or g.device_mesh != mesh or tuple(g.placements) != placements:
+        got = (tuple(g.placements), g.device_mesh) if isinstance(g, dtensor_type) else type(g).__name__
+        raise RuntimeError(
+            f"the grad of a DTensor param must be a DTensor with the same mesh and placements; param "
+            f"of shape {tuple(p.shape)} has placements {placements} on {mesh}, its grad: {got}"
+        )
+    for pl in placements:
+        if pl.is_partial():
+            raise RuntimeError(
+                f"Partial placements are not supported by fusedopt's sharded norms (param of shape "
+                f"{tuple(p.shape)}, placements {placements}); redistribute to Shard or Replicate"
+            )
+    shard_dims = tuple(d for d, pl in enumerate(placements) if pl.is_shard())
+    coord = mesh.get_coordinate()
+    return _Layout(mesh, shard_dims, None if coord is None else tuple(coord))
+
+
+# ------------------------------------------------------------------------------ collectives
+_FLAT_GROUPS: dict[tuple, Any] = {}
+
+
+def _comm_device(t: torch.Tensor, mesh) -> torch.device:
+    """Where the collective runs: the mesh's device type (e.g. CUDA for NCCL, even when the
+    optimizer state is offloaded to the CPU); for the default group, the default backend's."""
+    if mesh is not None:
+        dev_type = mesh.device_type
+    else:
+        dev_type = "cuda" if dist.get_backend() == "nccl" else t.device.type
+    if t.device.type == dev_type:
+        return t.device
+    if dev_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(dev_type, torch.get_device_module(dev_type).current_device())
+
+
+def _all_reduce(t: torch.Tensor, mesh, dims: tuple[int, ...]) -> None:
+    """Sum ``t`` in place over the ranks of ``mesh`` that differ only along ``dims`` (the default
+    group when ``mesh`` is None). One collective; skipped when that set is this rank alone."""
+    if mesh is None:
+        if dist.get_world_size() > 1:
+            _all_reduce_on(t, None, None)
+        return
+    size = math.prod(mesh.size(d) for d in dims)
+    if size == 1:
+        return
+    if len(dims) == 1:
+        _all_reduce_on(t, mesh, mesh.get_group(dims[0]))
+    elif size == dist.get_world_size():
+        _all_reduce_on(t, mesh, None)
+    else:
+        groups = _flat_group(mesh, dims)
+        for g in groups:  # one group unless the mesh has no dim names (see _flat_group)
+            _all_reduce_on(t, mesh, g)
+
+
+def _all_reduce_on(t: torch.Tensor, mesh, group) -> None:
+    dev = _comm_device(t, mesh)
+    if dev == t.device:
+        dist.all_reduce(t, group=group)
+    else:
+        buf = t.to(dev)
+        dist.all_reduce(buf, group=group)
+        t.copy_(buf)
+
+
+def _flat_group(mesh, dims: tuple[int, ...]) -> list:
+    """Process group(s) spanning several mesh dims: the flattened sub-mesh when the mesh has dim
+    names (``DeviceMesh._flatten``, created once, on every rank at the same step), else one group
+    per dim (one collective each)."""
+    key = (mesh, dims)
+    if key not in _FLAT_GROUPS:
+        names = mesh.mesh_dim_names
+        if names:
+            sub = mesh[tuple(names[d] for d in dims)] if len(dims) < mesh.ndim else mesh
+            _FLAT_GROUPS[key] = [sub._flatten().get_group()]
+        else:
+            _FLAT_GROUPS[key] = [mesh.get_group(d) for d in dims]
+    return _FLAT_GROUPS[key]
+
+
+# ------------------------------------------------------------------------------ reducers
+class ShardedNormReducer:
+    """:class:`~fusedopt.functional.SqSumReducer` for steps with DTensor params (see module doc).
+
+    Built per step by :func:`reducer_for` from the optimizer's buckets; ``bucket_params`` maps
+    ``id(bucket)`` to the params of its rows (DTensors, in row order) and ``param_groups`` gives each
+    param's group (its backend computes the per-tensor sums that must not be counted twice).
+    """
+
+    def __init__(self, bucket_params: dict[int, list[torch.Tensor]], param_groups, dtensor_type):
+        self._bucket_params = bucket_params
+        self._layouts: dict[int, _Layout] = {}
+        self._group_of: dict[int, dict] = {}
+        for group in param_groups:
+            for p in group["params"]:
+                self._group_of[id(p)] = group
+        meshes: dict[Any, set[int]] = {}  # sharded meshes in first-use order -> union of shard dims
+        for params in bucket_params.values():
+            for p in params:
+                lay = _layout(p, dtensor_type)
+                self._layouts[id(p)] = lay
+                if lay.shard_dims and lay.coord is not None:
+                    meshes.setdefault(lay.mesh, set()).update(lay.shard_dims)
+        self._mesh_dims = {m: tuple(sorted(d)) for m, d in meshes.items()}
+        # Global clipping: one group for the total. With one sharded mesh, the dims along which
+        # the step's tensors are sharded; otherwise the default group.
+        if len(self._mesh_dims) == 1:
+            (mesh, dims), = self._mesh_dims.items()
+            self._grad_group = (mesh, dims)
+            base = _Layout(mesh, (), tuple(mesh.get_coordinate()))
+
+            def counts(lay: _Layout) -> bool:
+                return (lay if lay.mesh == mesh else base).primary(dims)
+        else:
+            self._grad_group = (None, ())
+            world_first = dist.get_rank() == 0
+
+            def counts(lay: _Layout) -> bool:
+                if lay.mesh is None:
+                    return world_first
+                return lay.primary(range(lay.mesh.ndim))
+        self._uncounted = [p for params in bucket_params.values() for p in params
+                           if not counts(self._layouts[id(p)])]
+
+    def reduce_grad_sq(self, total: torch.Tensor) -> None:
+        """``total`` (0-dim float64, the local ``Σ‖g‖²``) becomes the sum over all ranks."""
+        if self._uncounted:
+            total.sub_(self._local_grad_sq(self._uncounted).to(total.device))
+        mesh, dims = self._grad_group
+        _all_reduce(total, mesh, dims)
+
+    def _local_grad_sq(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Σ‖g‖² of these params' local grads, per tensor by the backend of their bucket (the values
+        that went into the total, so that subtracting them cancels exactly)."""
+        parts = []
+        for p in params:
+            lp, lg = _local(p), _local(p.grad)
+            be = _backends.resolve(self._group_of[id(p)]["backend"], lp.device, lp.dtype, lg.dtype)
+            parts.append(be.sq_norms([lg]).to(torch.float64).sum())
+        dev = parts[0].device
+        return torch.stack([x.to(dev) for x in parts]).sum()
+
+    def reduce_trust_sums(self, sums: list[torch.Tensor], buckets: list[Bucket]) -> None:
+        """Complete each ``[n_b, 2]`` tensor of partial sums in place: one stacked all-reduce per
+        sharded mesh."""
+        per_mesh: dict[Any, list[tuple[int, list[int], list[bool]]]] = {m: [] for m in self._mesh_dims}
+        for k, b in enumerate(buckets):
+            params = self._bucket_params.get(id(b))
+            if params is None or len(params) != sums[k].shape[0]:
+                raise RuntimeError(
+                    "fusedopt: the rows of a bucket do not match its params; the optimizer must "
+                    "record them in _build_plan (bucket_params)"
+                )
+            rows: dict[Any, tuple[list[int], list[bool]]] = {}
+            for j, p in enumerate(params):
+                lay = self._layouts[id(p)]
+                if lay.mesh not in self._mesh_dims:
+                    continue  # complete values: plain, replicated or on a mesh without this rank
+                idx, keep = rows.setdefault(lay.mesh, ([], []))
+                idx.append(j)
+                keep.append(lay.primary(self._mesh_dims[lay.mesh]))
+            for mesh, (idx, keep) in rows.items():
+                per_mesh[mesh].append((k, idx, keep))
+        for mesh, selections in per_mesh.items():
+            if selections:
+                self._reduce_rows(sums, selections, mesh, self._mesh_dims[mesh])
+
+    @staticmethod
+    def _reduce_rows(sums, selections, mesh, dims) -> None:
+        dtype = torch.float64 if any(sums[k].dtype == torch.float64 for k, _, _ in selections) \
+            else torch.float32
+        dev = sums[selections[0][0]].device
+        parts, index = [], []
+        for k, idx, keep in selections:
+            s = sums[k]
+            whole = len(idx) == s.shape[0]
+            ix = None if whole else torch.tensor(idx, device=s.device)
+            part = (s if whole else s.index_select(0, ix)).to(dev, dtype)
+            if not all(keep):
+                part = part * torch.tensor(keep, dtype=dtype, device=dev).unsqueeze(1)
+            parts.append(part)
+            index.append((k, ix))
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        _all_reduce(flat, mesh, dims)
+        offset = 0
+        for k, ix in index:
+            s = sums[k]
+            n = s.shape[0] if ix is None else ix.numel()
+            out = flat[offset:offset + n].to(s.device, s.dtype)
+            offset += n
+            if ix is None:
+                s.copy_(out)
+            else:
+                s.index_copy_(0, ix, out)
+
+
+class _ZeroGradSqReducer:
+    """Global clipping under ZeRO: each rank owns whole tensors, so only the gradient total is
+    all-reduced; trust-ratio sums are already complete."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def reduce_grad_sq(self, total: torch.Tensor) -> None:
+        if dist.get_world_size(self._group) > 1:
+            dev = _comm_device(total, None)
+            buf = total if dev == total.device else total.to(dev)
+            dist.all_reduce(buf, group=self._group)
+            if buf is not total:
+                total.copy_(buf)
+
+    def reduce_trust_sums(self, sums, buckets) -> None:
+        return None
+
+
+def reducer_for(optimizer) -> ShardedNormReducer | _ZeroGradSqReducer | None:
+    """The reducer of one step of a fusedopt optimizer (called by ``step()`` after it has built
+    its buckets): ZeRO's when :func:`enable_zero_global_clipping` was applied, the sharded one when
+    a param of the step is a DTensor with a ``Shard`` placement, else None (no communication)."""
+    zero_group = getattr(optimizer, _ZERO_GROUP_ATTR, _UNSET)
+    if zero_group is not _UNSET:
+        return _ZeroGradSqReducer(zero_group)
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    bucket_params = getattr(optimizer, "_bucket_params", None)
+    if not bucket_params:
+        return None
+    dtensor_type = _dtensor_type()
+    if dtensor_type is None:
+        return None
+    sharded = any(
+        isinstance(p, dtensor_type) and any(pl.is_shard() for pl in p.placements)
+        for params in bucket_params.values() for p in params
+    )
+    if not sharded:
+        return None
+    return ShardedNormReducer(bucket_params, optimizer.param_groups, dtensor_type)
+
+
+# ------------------------------------------------------------------------------ ZeRO
+def enable_zero_global_clipping(zero_optimizer) -> None:
+    """Make ``max_grad_norm`` of a ``ZeroRedundancyOptimizer`` wrapping a fusedopt optimizer clip by
+    the norm of *all* ranks' gradients (one all-reduce of a scalar per step, over the ZeRO process
+    group).
+
+    Without it, each rank's optimizer sees only the gradients of the params it owns and clips by
+    that partial norm: different ranks clip differently, which is not global clipping. Every rank
+    must own at least one param with a gradient at every step (the all-reduce is issued by the
+    optimizer step of each rank). Not available with ``overlap_with_ddp=True`` (the local optimizer
+    is built lazily there).
+    """
+    inner = getattr(zero_optimizer, "optim", None)
+    if inner is None:
+        raise RuntimeError(
+            "enable_zero_global_clipping needs a ZeroRedundancyOptimizer whose local optimizer is "
+            "built (overlap_with_ddp=False); got "
+            f"{type(zero_optimizer).__name__} without an 'optim' attribute"
+        )
+    if not hasattr(inner, "_reducer"):
+        raise TypeError(
+            f"enable_zero_global_clipping needs optimizer_class=fusedopt.FusedLAMB or FusedLARS; "
+            f"the local optimizer is {type(inner).__name__}"
+        )
+    setattr(inner, _ZERO_GROUP_ATTR, zero_optimizer.process_group)
+
+
+# ------------------------------------------------------------------------------ DDP / FSDP2
+def accumulate(model: torch.nn.Module, micro_batches: Iterable[T]) -> Iterator[T]:
+    """Yield ``micro_batches`` for gradient accumulation, synchronizing gradients on the last only.
+
+    Every micro-batch but the last is yielded inside ``model.no_sync()`` (DDP), or with
+    ``model.set_requires_gradient_sync(False)`` (FSDP2 ``fully_shard``), so the backward passes in
+    the loop body accumulate local gradients without communication, and the last backward
+    all-reduces (reduce-scatters) the accumulated sum. Other models are yielded unchanged.
+
+    Scale the loss: with ``k`` micro-batches of equal size, use ``loss / k`` (each micro-batch's loss
+    being its mean) so that the accumulated gradient equals the gradient of the mean over the whole
+    batch, as one big batch would give::
+
+        for x, y in fusedopt.distributed.accumulate(model, zip(xs, ys)):
+            (loss_fn(model(x), y) / len(xs)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    Works with any iterable (the end is detected by looking one item ahead). Run the backward
+    inside the loop body; the micro-batch after which it runs decides whether it synchronizes.
+    """
+    it = iter(micro_batches)
+    try:
+        nxt = next(it)
+    except StopIteration:
+        return
+    while True:
+        cur = nxt
+        try:
+            nxt = next(it)
+        except StopIteration:
+            yield cur  # the last micro-batch: gradients are synchronized
+            return
+        with _no_grad_sync(model):
+            yield cur
+
+
+@contextlib.contextmanager
+def _no_grad_sync(model: torch.nn.Module):
+    no_sync = getattr(model, "no_sync", None)
+    if no_sync is not None:  # DDP (and FSDP1)
+        with no_sync():
+            yield
+        return
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:  # FSDP2 fully_shard
+        set_sync(False)
+        try:
+            yield
+        finally:
+            set_sync(True)
+        return
+    yield

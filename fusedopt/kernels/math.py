@@ -1,0 +1,156 @@
+"""Per-element LAMB and LARS math for the Triton kernels: the Triton statement of SPEC.md.
+
+The functions carry the names of ``csrc/fusedopt/math.h`` (and of the eager backend) and compute
+the same expressions in the same order, so the backends agree to the last bit wherever the
+hardware rounds the same way. Symbols: ``w`` weight, ``g`` gradient (already times grad_mult),
+``m``, ``v`` LAMB moments, ``v`` LARS momentum buffer, ``t`` step count, ``λ`` weight decay,
+``κ`` trust coefficient, ``μ`` momentum. Every value is in the compute dtype (float32, or float64
+for float64 params) except :func:`bias_correction`, which runs in float64.
+
+Note [IEEE division and square root]: on NVIDIA GPUs Triton lowers a float32 ``/`` to
+``div.full.f32`` and ``tl.sqrt`` to ``sqrt.approx.f32`` (a few ulp off); the eager and C++
+backends round correctly, so float32 math goes through ``tl.div_rn`` / ``tl.sqrt_rn``. Float64
+``/`` and ``tl.sqrt`` are already correctly rounded (and ``div_rn``/``sqrt_rn`` accept only
+float32).
+
+Note [float64 scalars]: hyper-parameters arrive as float64 kernel arguments (``tl.float64``
+annotation; a plain Python float would be passed as float32) and are rounded to the compute
+dtype once with :func:`to_compute`, as math.h's ``T(h.beta1)`` does. ``tl.full`` rather than
+``tl.cast`` because under ``TRITON_INTERPRET=1`` a kernel argument stays a Python float, which
+``tl.cast`` would first round to float32; ``tl.full`` builds the constant in the target dtype.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_compute(x, CD: tl.constexpr):
+    """A float64 kernel argument (or a loaded scalar) as a scalar of the compute dtype ``CD``."""
+    return tl.full((), x, CD)
+
+
+@triton.jit
+def ieee_div(a, b):
+    """Correctly rounded ``a / b`` (Note [IEEE division and square root])."""
+    if a.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
+@triton.jit
+def ieee_sqrt(x):
+    """Correctly rounded ``sqrt(x)`` (Note [IEEE division and square root])."""
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+@triton.jit
+def bias_correction(beta, t, CD: tl.constexpr):
+    """``1 - β^t`` evaluated in float64 from the float32 step ``t``, returned in ``CD``.
+
+    ``β^t = exp2(t·log2 β)`` in float64 (Triton has no portable ``pow``; the interpreter lacks
+    libdevice): within a few float64 ulp of ``pow``, so identical to functional.bias_correction
+    after rounding to float32. ``β = 0`` gives ``exp2(-inf) = 0``, as ``pow(0, t)`` for ``t >= 1``.
+    """
+    b = tl.full((), beta, tl.float64)
+    return (1.0 - tl.exp2(t.to(tl.float64) * tl.log2(b))).to(CD)
+
+
+@triton.jit
+def zero_norm_rule(w_norm, other_norm, ratio):
+    """Note [zero-norm rule] of math.h: the trust ratio is exactly 1 when ``‖w‖`` or the other
+    norm of its formula (``‖u‖`` for LAMB, the gradient norm for LARS) is 0."""
+    return tl.where((w_norm > 0) & (other_norm > 0), ratio, 1.0).to(ratio.dtype)
+
+
+# ------------------------------------------------------------------------------------- LAMB
+
+
+@triton.jit
+def lamb_moments(g, m, v, beta1, beta2, beta3, one_minus_beta2):
+    """``m ← β1·m + β3·g``,  ``v ← β2·v + (1-β2)·g²``; returns ``(m, v)``."""
+    m = beta1 * m + beta3 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    return m, v
+
+
+@triton.jit
+def lamb_direction(w, m, v, bc1, bc2, eps, lambda_in_u):
+    """``u = m̂ / (sqrt(v̂) + eps) + λ·w`` with ``m̂ = m / bc1``, ``v̂ = v / bc2``.
+
+    ``lambda_in_u`` is λ, or 0 for decoupled weight decay. Pass 1 (for ``‖u‖²``) and pass 2 (for
+    the update) call this with the same arguments, so both see the same ``u``.
+    """
+    return ieee_div(ieee_div(m, bc1), ieee_sqrt(ieee_div(v, bc2)) + eps) + lambda_in_u * w
+
+
+@triton.jit
+def lamb_trust_ratio(w_sq, u_sq, ratio_lo, ratio_hi, ADAPT: tl.constexpr, BOUNDED: tl.constexpr):
+    """``φ = ‖w‖ / ‖u‖`` (zero-norm rule), clamped to ``[ratio_lo, ratio_hi]`` when BOUNDED;
+    1 when not ADAPT."""
+    if ADAPT:
+        w_n = ieee_sqrt(w_sq)
+        u_n = ieee_sqrt(u_sq)
+        phi = zero_norm_rule(w_n, u_n, ieee_div(w_n, u_n))
+        if BOUNDED:
+            phi = tl.minimum(tl.maximum(phi, ratio_lo), ratio_hi)
+    else:
+        phi = tl.full((), 1.0, w_sq.dtype)
+    return phi
+
+
+@triton.jit
+def lamb_apply(w, u, lr_phi, decay):
+    """``w ← w·decay − lr_phi·u`` with ``decay = 1 − lr·λ`` (decoupled) or 1, ``lr_phi = lr·φ``."""
+    return w * decay - lr_phi * u
+
+
+# ------------------------------------------------------------------------------------- LARS
+
+
+@triton.jit
+def lars_trust_ratio(w_sq, g_sq, kappa, lam, eps, ADAPT: tl.constexpr, COMBINED: tl.constexpr,
+                     TRUST_CLIP: tl.constexpr):
+    """``κ‖w‖ / (‖g‖ + λ‖w‖ + eps)``, or ``κ‖w‖ / (‖g + λw‖ + eps)`` when COMBINED (``g_sq`` is
+    then ``‖g + λw‖²``); zero-norm rule on ``‖w‖`` and the gradient norm; ``min(ratio, 1)`` when
+    TRUST_CLIP; 1 when not ADAPT."""
+    if ADAPT:
+        w_n = ieee_sqrt(w_sq)
+        g_n = ieee_sqrt(g_sq)
+        if COMBINED:
+            den = g_n + eps
+        else:
+            den = g_n + lam * w_n + eps
+        ratio = zero_norm_rule(w_n, g_n, ieee_div(kappa * w_n, den))
+        if TRUST_CLIP:
+            ratio = tl.minimum(ratio, 1.0)
+    else:
+        ratio = tl.full((), 1.0, w_sq.dtype)
+    return ratio
+
+
+@triton.jit
+def lars_apply(w, g, v, ratio, lam, lr, mu, keep, add, NESTEROV: tl.constexpr,
+               LR_IN_MOMENTUM: tl.constexpr):
+    """``d = ratio·(g + λw)``, ``v ← keep·v + add·d``; returns ``(w − step, v)`` where
+
+    * LR_IN_MOMENTUM: ``step = v`` (NESTEROV: ``lr·d + μ·v``), ``keep = μ``, ``add = lr``;
+    * otherwise: ``step = lr·v`` (NESTEROV: ``lr·(d + μ·v)``), ``keep = μ`` and
+      ``add = 1 − dampening``, or ``keep = 0``, ``add = 1`` on the first step (torch SGD).
+    """
+    d = ratio * (g + lam * w)
+    v = keep * v + add * d
+    if LR_IN_MOMENTUM:
+        if NESTEROV:
+            step = lr * d + mu * v
+        else:
+            step = v
+    else:
+        if NESTEROV:
+            step = lr * (d + mu * v)
+        else:
+            step = lr * v
+    return w - step, v

@@ -1,0 +1,460 @@
+"""Scenarios of tests/test_distributed.py, run by 2 gloo processes on CPU.
+
+Started as ``python tests/dist_utils.py RANK WORLD PORT OUT_DIR BACKENDS`` (one process per rank, see
+``run_job``). Each rank runs every scenario in order, in one process group, and writes
+``OUT_DIR/rank{RANK}.json``: per scenario either the measured values or the error (traceback). The
+single-process references run inside each worker, on full tensors with the same global batch.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter
+from datetime import timedelta
+
+import torch
+
+WORLD = 2
+GLOBAL_BATCH = 8
+STEPS = 4
+
+# FSDP2 equivalence: name -> (optimizer, kwargs, exclude 1-D params into a second group)
+OPT_CASES = {
+    "lamb": ("lamb", dict(lr=1e-2, weight_decay=0.01, eps=1e-3), False),
+    "lamb_clip": ("lamb", dict(lr=1e-2, weight_decay=0.01, eps=1e-3, max_grad_norm=0.05), True),
+    "lars": ("lars", dict(lr=1.0, weight_decay=1e-3, trust_coefficient=0.01), False),
+    "lars_clip": ("lars", dict(lr=1.0, weight_decay=1e-3, trust_coefficient=0.01,
+                              max_grad_norm=0.05), True),
+}
+# all-reduces per step() allowed by the design (SPEC: the clipping total is needed before pass 1)
+ALLREDUCE_PER_STEP = {"lamb": 1, "lamb_clip": 2, "lars": 1, "lars_clip": 2}
+BACKENDS = ("eager", "cpp")
+
+
+# ---------------------------------------------------------------------------------- launching
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(out_dir: str, backends: list[str], timeout: float = 300.0) -> list[dict]:
+    """Start WORLD worker processes, wait for them, return each rank's results (raises on failure)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+    last_err = ""
+    for _attempt in range(2):  # a free port can be taken between the probe and the bind
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, os.path.join(here, "dist_utils.py"), str(r), str(WORLD), str(port),
+                 out_dir, ",".join(backends)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for r in range(WORLD)
+        ]
+        deadline = time.monotonic() + timeout
+        logs = []
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, _ = p.communicate()
+                out += f"\n[killed after {timeout:.0f} s]"
+            logs.append(out)
+        if all(p.returncode == 0 for p in procs):
+            return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(WORLD)]
+        last_err = "\n".join(f"--- rank {r} (rc {p.returncode}):\n{log[-6000:]}"
+                             for r, (p, log) in enumerate(zip(procs, logs)))
+        if "address already in use" not in last_err.lower():
+            break
+    raise RuntimeError(f"distributed workers failed:\n{last_err}")
+
+
+# ---------------------------------------------------------------------------------- helpers
+def count_collectives(fn) -> Counter:
+    """Names of the gloo collectives issued while ``fn()`` runs (whatever API issued them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    """Linear + LayerNorm layers; dim 0 of 5 and 7 split unevenly over 2 ranks, and the last
+    layer's weight [1, 7] and bias [1] leave rank 1 with empty local shards."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Tanh(),
+        torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Tanh(),
+        torch.nn.Linear(7, 1),
+    )
+
+
+def batch(step: int, size: int = GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, 6, generator=g), torch.randn(size, 1, generator=g)
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def make_opt(kind: str, params, kw: dict, backend: str):
+    import fusedopt
+
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    return cls(params, backend=backend, **kw)
+
+
+def groups(model, exclude: bool):
+    """One group, or matrices + (1-D params with weight_decay=0, adapt=False)."""
+    ps = list(model.parameters())
+    if not exclude:
+        return ps
+    return [{"params": [p for p in ps if p.ndim > 1]},
+            {"params": [p for p in ps if p.ndim <= 1], "weight_decay": 0.0, "adapt": False}]
+
+
+def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """Largest per-tensor ``max|got - ref| / max|ref|``."""
+    worst = 0.0
+    for a, b in zip(got, ref):
+        a, b = a.detach().double(), b.detach().double()
+        scale = b.abs().max().item() or 1.0
+        worst = max(worst, (a - b).abs().max().item() / scale)
+    return worst
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def train_reference(kind, kw, exclude, backend, steps=STEPS, model=None):
+    model = model or make_model()
+    opt = make_opt(kind, groups(model, exclude), kw, backend)
+    for s in range(steps):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def local_rows(x: torch.Tensor, rank: int) -> torch.Tensor:
+    n = x.shape[0] // WORLD
+    return x[rank * n:(rank + 1) * n]
+
+
+# ---------------------------------------------------------------------------------- scenarios
+def fsdp2_model(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def scenario_fsdp2(ctx, name: str, backend: str):
+    """FSDP2-sharded training == one process with the same global batch; collectives per step."""
+    kind, kw, exclude = OPT_CASES[name]
+    rank = ctx["rank"]
+    model = fsdp2_model(ctx["mesh"])
+    opt = make_opt(kind, groups(model, exclude), kw, backend)
+    counts = []
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+        c = count_collectives(opt.step)
+        counts.append(dict(c))
+    ref = train_reference(kind, kw, exclude, backend)
+    got = [full(p) for p in model.parameters()]
+    placements = sorted({str(tuple(p.placements)) for p in model.parameters()})
+    local_numels = [p.to_local().numel() for p in model.parameters()]
+    state_types = sorted({type(v).__name__ for st in opt.state.values() for k, v in st.items()
+                          if k != "step"})
+    return dict(err=rel_err(got, ref), collectives=counts, placements=placements,
+                local_numels=local_numels, state_types=state_types)
+
+
+def scenario_clip_sensitivity(ctx, backend: str):
+    """How much the single-process result moves when the clipping norm is off by sqrt(2) (the error
+    of forgetting the other rank's half of the gradient): the equivalence tests can see it."""
+    out = {}
+    for name in ("lamb_clip", "lars_clip"):
+        kind, kw, exclude = OPT_CASES[name]
+        a = train_reference(kind, kw, exclude, backend)
+        b = train_reference(kind, dict(kw, max_grad_norm=kw["max_grad_norm"] * 2 ** 0.5), exclude,
+                            backend)
+        out[name] = rel_err(a, b)
+    return out
+
+
+def scenario_fsdp2_state_dict(ctx, backend: str):
+    """A state_dict taken mid-run (DTensor state) loads into a new optimizer and continues
+    bit-for-bit."""
+    kind, kw, exclude = OPT_CASES["lamb_clip"]
+    rank = ctx["rank"]
+    model = fsdp2_model(ctx["mesh"])
+    opt = make_opt(kind, groups(model, exclude), kw, backend)
+
+    def train(o, steps):
+        for s in steps:
+            x, y = batch(s)
+            o.zero_grad()
+            loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+            o.step()
+
+    train(opt, range(2))
+    saved_params = [p.to_local().clone() for p in model.parameters()]
+    saved_state = copy.deepcopy(opt.state_dict())
+    train(opt, range(2, 4))
+    a = [p.to_local().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), saved_params):
+            p.to_local().copy_(v)
+    opt2 = make_opt(kind, groups(model, exclude), kw, backend)
+    opt2.load_state_dict(saved_state)
+    st = opt2.state[next(iter(model.parameters()))]
+    train(opt2, range(2, 4))
+    b = [p.to_local() for p in model.parameters()]
+    return dict(bitwise=all(torch.equal(x, y) for x, y in zip(a, b)),
+                loaded_exp_avg=type(st["exp_avg"]).__name__,
+                loaded_placements=str(tuple(st["exp_avg"].placements)))
+
+
+def _manual_run(ctx, specs, kind, kw, backend, steps=3):
+    """Params given as (shape, mesh or None, placements): DTensors built from full values without
+    communication; the same full grads on every rank. Returns (rel err vs one process, collectives
+    per step)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(7)
+    fulls = [torch.randn(shape, generator=gen) for shape, _, _ in specs]
+
+    def place(t, mesh, placements):
+        if mesh is None:
+            return t.clone()
+        return distribute_tensor(t.clone(), mesh, placements, src_data_rank=None)
+
+    params = [torch.nn.Parameter(place(t, m, pl)) for t, (_, m, pl) in zip(fulls, specs)]
+    ref = [torch.nn.Parameter(t.clone()) for t in fulls]
+    opt = make_opt(kind, params, kw, backend)
+    ref_opt = make_opt(kind, ref, kw, backend)
+    counts = []
+    for s in range(steps):
+        grads = [torch.randn(shape, generator=gen) for shape, _, _ in specs]
+        for p, r, g, (_, m, pl) in zip(params, ref, grads, specs):
+            p.grad = place(g, m, pl)
+            r.grad = g.clone()
+        counts.append(dict(count_collectives(opt.step)))
+        ref_opt.step()
+    return rel_err([full(p) for p in params], ref), counts
+
+
+def scenario_mixed_placements(ctx, kind: str, backend: str):
+    """1-D mesh: Shard(0) uneven and empty, Shard(1), Replicate and a plain tensor in one step."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = ctx["mesh"]
+    specs = [((5, 3), mesh, [Shard(0)]), ((1, 4), mesh, [Shard(0)]), ((4, 3), mesh, [Shard(1)]),
+             ((6,), mesh, [Replicate()]), ((3,), None, None), ((3, 2), mesh, [Replicate()])]
+    kw = dict(OPT_CASES[kind + "_clip"][1])
+    err, counts = _manual_run(ctx, specs, kind, kw, backend)
+    return dict(err=err, collectives=counts)
+
+
+def scenario_mesh_2d(ctx, backend: str):
+    """2-D mesh (2, 1): HSDP-like (Replicate, Shard(0)) with (Shard(0), Replicate) and fully
+    replicated tensors: each piece counted once over the flattened mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = ctx.setdefault("mesh2d", init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard")))
+    specs = [((5, 3), mesh, [Replicate(), Shard(0)]), ((5, 2), mesh, [Shard(0), Replicate()]),
+             ((4,), mesh, [Replicate(), Replicate()]), ((2,), None, None)]
+    err, counts = _manual_run(ctx, specs, "lamb", OPT_CASES["lamb_clip"][1], backend)
+    return dict(err=err, collectives=counts)
+
+
+def scenario_two_meshes(ctx, backend: str):
+    """Params on two meshes: one trust-sum all-reduce per mesh, the clipping total on the default
+    group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = ctx["mesh"]
+    other = ctx.setdefault("mesh_rev", DeviceMesh("cpu", torch.tensor([1, 0]), mesh_dim_names=("r",)))
+    specs = [((5, 3), mesh, [Shard(0)]), ((3, 3), other, [Shard(0)]), ((4,), other, [Replicate()]),
+             ((3,), None, None)]
+    err, counts = _manual_run(ctx, specs, "lamb", OPT_CASES["lamb_clip"][1], backend)
+    return dict(err=err, collectives=counts)
+
+
+def scenario_flat_group(ctx):
+    """The flattened-sub-mesh path of the all-reduce over several mesh dims (not reached by a
+    2-rank mesh, where the default group is used instead)."""
+    from fusedopt.distributed import _flat_group
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = ctx.setdefault("mesh2d", init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard")))
+    import torch.distributed as dist
+
+    t = torch.tensor([float(ctx["rank"] + 1)])
+    for g in _flat_group(mesh, (0, 1)):
+        dist.all_reduce(t, group=g)
+    return dict(value=t.item())
+
+
+def scenario_zero(ctx, name: str, backend: str, enable: bool = True):
+    """ZeroRedundancyOptimizer(optimizer_class=FusedLAMB/LARS) over a DDP model == one process."""
+    import fusedopt
+    from fusedopt.distributed import enable_zero_global_clipping
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kind, kw, exclude = OPT_CASES[name]
+    rank = ctx["rank"]
+    model = DDP(make_model())
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, backend=backend, **kw)
+    if enable:
+        enable_zero_global_clipping(opt)
+    owned = len([p for g in opt.optim.param_groups for p in g["params"]])
+    counts = []
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+        counts.append(dict(count_collectives(opt.step)))
+    ref = train_reference(kind, kw, False, backend)
+    return dict(err=rel_err([p for p in model.module.parameters()], ref), owned=owned,
+                total=len(list(model.parameters())), collectives=counts)
+
+
+def scenario_ddp_accumulate(ctx, backend: str, k: int = 3):
+    """DDP with fusedopt.distributed.accumulate: k micro-batches per rank == one big batch; the
+    gradient all-reduce runs on the last micro-batch only."""
+    from fusedopt.distributed import accumulate
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kind, kw, _ = OPT_CASES["lamb_clip"]
+    rank = ctx["rank"]
+    model = DDP(make_model())
+    opt = make_opt(kind, model.parameters(), kw, backend)
+    per_micro = 2
+    big = per_micro * k * WORLD
+    acc_counts = []
+    for s in range(STEPS):
+        x, y = batch(s, big)
+        xl, yl = local_rows(x, rank), local_rows(y, rank)
+        micro = list(zip(xl.split(per_micro), yl.split(per_micro)))
+
+        def accumulate_grads():
+            for xm, ym in accumulate(model, micro):
+                (loss_fn(model, xm, ym) / len(micro)).backward()
+
+        opt.zero_grad()
+        acc_counts.append(count_collectives(accumulate_grads).get("gloo:all_reduce", 0))
+        opt.step()
+    # gloo all-reduces of one synchronized backward, for comparison
+    x, y = batch(0, big)
+    sync_count = count_collectives(
+        lambda: loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+    ).get("gloo:all_reduce", 0)
+    ref_model = make_model()
+    ref_opt = make_opt(kind, ref_model.parameters(), kw, backend)
+    for s in range(STEPS):
+        x, y = batch(s, big)
+        ref_opt.zero_grad()
+        loss_fn(ref_model, x, y).backward()
+        ref_opt.step()
+    return dict(err=rel_err(list(model.module.parameters()), list(ref_model.parameters())),
+                acc_counts=acc_counts[1:], sync_count=sync_count)
+
+
+def scenario_fsdp2_accumulate(ctx, backend: str, k: int = 2):
+    """FSDP2 with accumulate (set_requires_gradient_sync): k micro-batches == one big batch."""
+    from fusedopt.distributed import accumulate
+
+    kind, kw, exclude = OPT_CASES["lamb"]
+    rank = ctx["rank"]
+    model = fsdp2_model(ctx["mesh"])
+    opt = make_opt(kind, groups(model, exclude), kw, backend)
+    for s in range(STEPS):
+        x, y = batch(s)
+        xl, yl = local_rows(x, rank), local_rows(y, rank)
+        micro = list(zip(xl.split(len(xl) // k), yl.split(len(yl) // k)))
+        opt.zero_grad()
+        for xm, ym in accumulate(model, micro):
+            (loss_fn(model, xm, ym) / len(micro)).backward()
+        opt.step()
+    ref = train_reference(kind, kw, exclude, backend)
+    return dict(err=rel_err([full(p) for p in model.parameters()], ref))
+
+
+def scenarios(backends: list[str]):
+    """(name, function, args) in the order every rank runs them."""
+    out = []
+    for be in backends:
+        for name in OPT_CASES:
+            out.append((f"fsdp2-{be}-{name}", scenario_fsdp2, (name, be)))
+        out.append((f"clip_sensitivity-{be}", scenario_clip_sensitivity, (be,)))
+        out.append((f"fsdp2_state_dict-{be}", scenario_fsdp2_state_dict, (be,)))
+        for kind in ("lamb", "lars"):
+            out.append((f"mixed_placements-{be}-{kind}", scenario_mixed_placements, (kind, be)))
+        out.append((f"mesh_2d-{be}", scenario_mesh_2d, (be,)))
+        out.append((f"two_meshes-{be}", scenario_two_meshes, (be,)))
+        for name in ("lamb", "lamb_clip", "lars"):
+            out.append((f"zero-{be}-{name}", scenario_zero, (name, be)))
+        out.append((f"zero_unsynced_clip-{be}", scenario_zero, ("lamb_clip", be, False)))
+        out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
+        out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))
+    out.append(("flat_group", scenario_flat_group, ()))
+    return out
+
+
+def main(argv):
+    rank, world, port, out_dir, backends = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    ctx = {"rank": rank, "mesh": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))}
+    results = {}
+    try:
+        for name, fn, args in scenarios([b for b in backends.split(",") if b]):
+            t0 = time.perf_counter()
+            try:
+                res = fn(ctx, *args)
+                results[name] = {"ok": True, **res}
+            except Exception:  # noqa: BLE001 - reported per scenario by the test
+                results[name] = {"ok": False, "error": traceback.format_exc()}
+            results[name]["seconds"] = time.perf_counter() - t0
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
