@@ -53,7 +53,7 @@ cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp")
 if cuda_sources and want_cuda():
     ext_modules.append(CUDAExtension(
         "fusedopt._cuda", cuda_sources, include_dirs=[os.path.join(HERE, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
     ))
 print("fusedopt: building " + (", ".join(e.name for e in ext_modules) or "no compiled extension"))
 

@@ -149,6 +149,9 @@ class _TrustRatioOptimizer(Optimizer):
         backends_of = [{k: _backends.resolve(group["backend"], *k) for k in set(keys)}
                        for group, _, _, _, keys, _ in staged]
         plan = []
+        # id(bucket) -> params of its rows, DTensors kept: what fusedopt.distributed reduces over
+        self._bucket_params = {}
+        record = any(s[-1] for s in staged)
         for (group, ps, lps, lgs, keys, sharded), resolved in zip(staged, backends_of):
             states = [self.state[p] for p in ps]
             for p, st in zip(ps, states):
@@ -163,6 +166,9 @@ class _TrustRatioOptimizer(Optimizer):
             entries = [(resolved[k], self._bucket(group, [lps[i] for i in idx], [lgs[i] for i in idx],
                                                   [states[i] for i in idx], sharded))
                        for k, idx in by_key.items() if k is not None]
+            if record:
+                for (_, b), idx in zip(entries, [ix for k, ix in by_key.items() if k is not None]):
+                    self._bucket_params[id(b)] = [ps[i] for i in idx]
             plan.append((self._hyper(group), entries))
         return plan
 

@@ -44,8 +44,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(out_dir: str, backends: list[str], timeout: float = 300.0) -> list[dict]:
-    """Start WORLD worker processes, wait for them, return each rank's results (raises on failure)."""
+def run_job(out_dir: str, backends: list[str], timeout: float = 300.0, only: str = "") -> list[dict]:
+    """Start WORLD worker processes, wait for them, return each rank's results (raises on failure).
+    ``only``: comma-separated scenario-name prefixes to run (default all; for debugging)."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -56,7 +57,7 @@ def run_job(out_dir: str, backends: list[str], timeout: float = 300.0) -> list[d
         procs = [
             subprocess.Popen(
                 [sys.executable, os.path.join(here, "dist_utils.py"), str(r), str(WORLD), str(port),
-                 out_dir, ",".join(backends)],
+                 out_dir, ",".join(backends), only],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             for r in range(WORLD)
@@ -267,6 +268,52 @@ def _manual_run(ctx, specs, kind, kw, backend, steps=3):
     return rel_err([full(p) for p in params], ref), counts
 
 
+def _check_sums(ctx, specs, backend, steps=2):
+    """The reduced sums themselves, which the trust ratios hide (φ = ‖w‖/‖u‖ does not change when
+    both sums are counted twice): LARS with a clipping threshold that never clips, whose trust sums
+    are (‖w‖², ‖g‖²) of the full tensors and whose clipping total is Σ‖g‖² over all full grads.
+    Returns the largest relative error of each against float64 values of the full tensors."""
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(11)
+    fulls = [torch.randn(shape, generator=gen) for shape, _, _ in specs]
+    params = [torch.nn.Parameter(t.clone() if m is None else
+                                 distribute_tensor(t.clone(), m, pl, src_data_rank=None))
+              for t, (_, m, pl) in zip(fulls, specs)]
+    opt = make_opt("lars", params, dict(lr=0.1, max_grad_norm=1e9), backend)
+    seen = {}
+
+    class Recorder:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def reduce_grad_sq(self, total):
+            self.inner.reduce_grad_sq(total)
+            seen["total"] = total.item()
+
+        def reduce_trust_sums(self, sums, buckets):
+            self.inner.reduce_trust_sums(sums, buckets)
+            seen["rows"] = [(p, row) for b, s in zip(buckets, sums)
+                            for p, row in zip(opt._bucket_params[id(b)], s.double().tolist())]
+
+    inner_reducer = opt._reducer
+    opt._reducer = lambda: Recorder(inner_reducer())
+    total_err = sums_err = 0.0
+    index = {id(p): i for i, p in enumerate(params)}
+    for _ in range(steps):
+        grads = [torch.randn(shape, generator=gen) for shape, _, _ in specs]
+        for p, g, (_, m, pl) in zip(params, grads, specs):
+            p.grad = g.clone() if m is None else distribute_tensor(g.clone(), m, pl, src_data_rank=None)
+        w_sq = [float(full(p).detach().double().square().sum()) for p in params]
+        g_sq = [float(g.double().square().sum()) for g in grads]
+        opt.step()
+        total_err = max(total_err, abs(seen["total"] - sum(g_sq)) / sum(g_sq))
+        for p, (w, g) in seen["rows"]:
+            i = index[id(p)]
+            sums_err = max(sums_err, abs(w - w_sq[i]) / w_sq[i], abs(g - g_sq[i]) / g_sq[i])
+    return dict(sums_err=sums_err, total_err=total_err)
+
+
 def scenario_mixed_placements(ctx, kind: str, backend: str):
     """1-D mesh: Shard(0) uneven and empty, Shard(1), Replicate and a plain tensor in one step."""
     from torch.distributed.tensor import Replicate, Shard
@@ -276,7 +323,7 @@ def scenario_mixed_placements(ctx, kind: str, backend: str):
              ((6,), mesh, [Replicate()]), ((3,), None, None), ((3, 2), mesh, [Replicate()])]
     kw = dict(OPT_CASES[kind + "_clip"][1])
     err, counts = _manual_run(ctx, specs, kind, kw, backend)
-    return dict(err=err, collectives=counts)
+    return dict(err=err, collectives=counts, **_check_sums(ctx, specs, backend))
 
 
 def scenario_mesh_2d(ctx, backend: str):
@@ -289,7 +336,7 @@ def scenario_mesh_2d(ctx, backend: str):
     specs = [((5, 3), mesh, [Replicate(), Shard(0)]), ((5, 2), mesh, [Shard(0), Replicate()]),
              ((4,), mesh, [Replicate(), Replicate()]), ((2,), None, None)]
     err, counts = _manual_run(ctx, specs, "lamb", OPT_CASES["lamb_clip"][1], backend)
-    return dict(err=err, collectives=counts)
+    return dict(err=err, collectives=counts, **_check_sums(ctx, specs, backend))
 
 
 def scenario_two_meshes(ctx, backend: str):
@@ -299,11 +346,14 @@ def scenario_two_meshes(ctx, backend: str):
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = ctx["mesh"]
-    other = ctx.setdefault("mesh_rev", DeviceMesh("cpu", torch.tensor([1, 0]), mesh_dim_names=("r",)))
+    # a second mesh object over the same ranks (DTensor itself mishandles permuted rank orders)
+    other = ctx.setdefault("mesh_b", DeviceMesh("cpu", torch.arange(WORLD), mesh_dim_names=("b",)))
+    if other == mesh:
+        raise RuntimeError("the two meshes compare equal; the scenario needs distinct meshes")
     specs = [((5, 3), mesh, [Shard(0)]), ((3, 3), other, [Shard(0)]), ((4,), other, [Replicate()]),
              ((3,), None, None)]
     err, counts = _manual_run(ctx, specs, "lamb", OPT_CASES["lamb_clip"][1], backend)
-    return dict(err=err, collectives=counts)
+    return dict(err=err, collectives=counts, **_check_sums(ctx, specs, backend))
 
 
 def scenario_flat_group(ctx):
@@ -432,6 +482,7 @@ def scenarios(backends: list[str]):
 
 def main(argv):
     rank, world, port, out_dir, backends = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
+    only = tuple(x for x in (argv[5] if len(argv) > 5 else "").split(",") if x)
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -442,6 +493,8 @@ def main(argv):
     results = {}
     try:
         for name, fn, args in scenarios([b for b in backends.split(",") if b]):
+            if only and not name.startswith(only):
+                continue
             t0 = time.perf_counter()
             try:
                 res = fn(ctx, *args)

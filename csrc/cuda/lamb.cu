@@ -177,8 +177,8 @@ cudaError_t launch_lamb_pass2(const BucketPtrs& b, const LambHyper& h, const Dev
     return run_pass2<double, double, NoParam>(b, h, s, static_cast<const double*>(sums), stream);
   }
   return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
-    return dispatch_param_out(b, [&](auto p_tag) {
-      using W = typename decltype(w_tag)::type;
+    using W = typename decltype(w_tag)::type;
+    return dispatch_param_out<W>(b, [&](auto p_tag) {
       using P = typename decltype(p_tag)::type;
       return run_pass2<float, W, P>(b, h, s, static_cast<const float*>(sums), stream);
     });

@@ -11,6 +11,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "launch.h"
 
@@ -336,16 +337,19 @@ cudaError_t dispatch_fp32_compute(DType d, const F& f) {
   }
 }
 
-// Calls f(Tag<P>{}) with P the type of the params written beside fp32 masters, or NoParam.
-template <typename F>
+// Calls f(Tag<P>{}) with P the type of the params written beside fp32 masters (W = float), or
+// NoParam when the weights are the params.
+template <typename W, typename F>
 cudaError_t dispatch_param_out(const BucketPtrs& b, const F& f) {
   if (b.params == nullptr) return f(Tag<NoParam>{});
-  if (b.weight_dtype != DType::kFloat32) return cudaErrorNotSupported;
-  switch (b.param_dtype) {
-    case DType::kFloat16: return f(Tag<__half>{});
-    case DType::kBFloat16: return f(Tag<__nv_bfloat16>{});
-    default: return cudaErrorNotSupported;
+  if constexpr (std::is_same<W, float>::value) {
+    switch (b.param_dtype) {
+      case DType::kFloat16: return f(Tag<__half>{});
+      case DType::kBFloat16: return f(Tag<__nv_bfloat16>{});
+      default: break;
+    }
   }
+  return cudaErrorNotSupported;
 }
 
 }  // namespace cuda

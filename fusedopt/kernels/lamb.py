@@ -20,15 +20,16 @@ import triton.language as tl
 
 from .math import bias_correction, lamb_apply, lamb_direction, lamb_moments, lamb_trust_ratio, to_compute
 from .norms import (
-    GRAD, MASTER, PARAM, STATE0, STATE1, STEP, chunk_of, finish_chunk, grad_multiplier, live_elements,
-    masked_sq, tensor_ptr,
+    GRAD, MASTER, PARAM, STATE0, STATE1, STEP, chunks_of, finish_rows, grad_multiplier, load_tile, masked_sq,
+    tensor_ptrs,
 )
 
 
 @triton.jit
 def _bias_corrections(t, beta1, beta2, CD: tl.constexpr, BIAS_CORRECTION: tl.constexpr):
+    """``(1 - β1^t, 1 - β2^t)`` as ``[ROWS, 1]`` columns, or 1 without bias correction."""
     if BIAS_CORRECTION:
-        return bias_correction(beta1, t, CD), bias_correction(beta2, t, CD)
+        return bias_correction(beta1, t, CD)[:, None], bias_correction(beta2, t, CD)[:, None]
     else:
         return tl.full((), 1.0, CD), tl.full((), 1.0, CD)
 
@@ -37,10 +38,10 @@ def _bias_corrections(t, beta1, beta2, CD: tl.constexpr, BIAS_CORRECTION: tl.con
 def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_minus_beta2,
                 bc1, bc2, eps, lambda_in_u, CD: tl.constexpr):
     """One tile of pass 1; returns its ``(w², u²)`` (0 outside ``mask``; None: a full tile)."""
-    w = tl.load(w_ptr, mask=mask, other=0.0).to(CD)
-    g = tl.load(g_ptr, mask=mask, other=0.0).to(CD) * gm
-    m = tl.load(m_ptr, mask=mask, other=0.0)
-    v = tl.load(v_ptr, mask=mask, other=0.0)
+    w = load_tile(w_ptr, mask).to(CD)
+    g = load_tile(g_ptr, mask).to(CD) * gm
+    m = load_tile(m_ptr, mask)
+    v = load_tile(v_ptr, mask)
     m, v = lamb_moments(g, m, v, beta1, beta2, beta3, one_minus_beta2)
     tl.store(m_ptr, m, mask=mask)
     tl.store(v_ptr, v, mask=mask)
@@ -51,7 +52,7 @@ def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_m
 @triton.jit
 def lamb_pass1_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, exp_avg, exp_avg_sq, step pointers
-    owner,  # int32 [C]: tensor of each chunk
+    owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     partials,  # CD [C, 2]: chunk partial sums
     counters,  # int32 [n]: finished chunks per tensor (zero between launches)
     sums,  # CD [n, 2]: output, (‖w‖², ‖u‖²) per tensor
@@ -63,13 +64,13 @@ def lamb_pass1_kernel(
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, CD: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_GRAD_MULT: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr, ALIGNED: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
 ):
-    """Moments, step count and the per-tensor ``(‖w‖², ‖u‖²)`` of one LAMB step."""
-    i, rec, start, n_here, first, count = chunk_of(records, owner, CHUNK)
-    n_here, inc = live_elements(n_here, found_inf, HAS_FOUND_INF)
-    step_ptr = tensor_ptr(rec, STEP, tl.float32, False)
-    t = tl.load(step_ptr) + inc  # Note [step counts] in norms.py
+    """Moments, step counts and the per-tensor ``(‖w‖², ‖u‖²)`` of one LAMB step."""
+    c, valid, i, rec, start, n, first, count, inc = chunks_of(
+        records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
+    step_ptr = tl.load(rec + STEP).to(tl.pointer_type(tl.float32))
+    t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in norms.py
     bc1, bc2 = _bias_corrections(t, beta1, beta2, CD, BIAS_CORRECTION)
     b1 = to_compute(beta1, CD)
     b2 = to_compute(beta2, CD)
@@ -79,40 +80,41 @@ def lamb_pass1_kernel(
     lam = to_compute(lambda_in_u, CD)
     gm = grad_multiplier(grad_mult, CD, HAS_GRAD_MULT)
     if HAS_MASTER:
-        w_ptr = tensor_ptr(rec, MASTER, CD, ALIGNED) + start
+        w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
     else:
-        w_ptr = tensor_ptr(rec, PARAM, P_DTYPE, ALIGNED) + start
-    g_ptr = tensor_ptr(rec, GRAD, G_DTYPE, ALIGNED) + start
-    m_ptr = tensor_ptr(rec, STATE0, CD, ALIGNED) + start
-    v_ptr = tensor_ptr(rec, STATE1, CD, ALIGNED) + start
+        w_ptr = tensor_ptrs(rec, PARAM, P_DTYPE, ALIGNED) + start[:, None]
+    g_ptr = tensor_ptrs(rec, GRAD, G_DTYPE, ALIGNED) + start[:, None]
+    m_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
+    v_ptr = tensor_ptrs(rec, STATE1, CD, ALIGNED) + start[:, None]
 
-    lanes = tl.arange(0, BLOCK)
-    acc_w = tl.zeros([BLOCK], CD)
-    acc_u = tl.zeros([BLOCK], CD)
-    n_full = n_here // BLOCK * BLOCK
-    for off in range(0, n_full, BLOCK):
-        o = tl.multiple_of(off, BLOCK) + lanes
-        sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, None, gm, b1, b2, b3, omb2,
-                             bc1, bc2, eps_c, lam, CD)
-        acc_w += sw
-        acc_u += su
-    if n_full < n_here:
-        o = n_full + lanes
-        sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, lanes < n_here - n_full, gm,
-                             b1, b2, b3, omb2, bc1, bc2, eps_c, lam, CD)
-        acc_w += sw
-        acc_u += su
-    last = finish_chunk(partials, counters, sums, i, first, count, tl.sum(acc_w, 0), tl.sum(acc_u, 0),
-                        2, RBLOCK)
+    cols = tl.arange(0, BLOCK)[None, :]
+    acc_w = tl.zeros([ROWS, BLOCK], CD)
+    acc_u = tl.zeros([ROWS, BLOCK], CD)
+    if tl.min(n, 0) == CHUNK:
+        for off in range(0, CHUNK, BLOCK):
+            o = off + cols
+            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, None, gm, b1, b2, b3, omb2,
+                                 bc1, bc2, eps_c, lam, CD)
+            acc_w += sw
+            acc_u += su
+    else:
+        for off in range(0, tl.max(n, 0), BLOCK):
+            o = off + cols
+            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], gm, b1, b2,
+                                 b3, omb2, bc1, bc2, eps_c, lam, CD)
+            acc_w += sw
+            acc_u += su
+    last = finish_rows(partials, counters, sums, c, valid, i, first, count, tl.sum(acc_w, 1),
+                       tl.sum(acc_u, 1), 2, ROWS, RBLOCK)
     tl.store(step_ptr, t, mask=last)
 
 
 @triton.jit
 def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, bc1, bc2, eps, lambda_in_u, lr_phi, decay,
                 P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr):
-    w = tl.load(w_ptr, mask=mask, other=0.0).to(CD)
-    m = tl.load(m_ptr, mask=mask, other=0.0)
-    v = tl.load(v_ptr, mask=mask, other=0.0)
+    w = load_tile(w_ptr, mask).to(CD)
+    m = load_tile(m_ptr, mask)
+    v = load_tile(v_ptr, mask)
     u = lamb_direction(w, m, v, bc1, bc2, eps, lambda_in_u)
     w = lamb_apply(w, u, lr_phi, decay)
     tl.store(w_ptr, w.to(w_ptr.dtype.element_ty), mask=mask)
@@ -123,7 +125,7 @@ def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, bc1, bc2, eps, lambda_in_u, lr
 @triton.jit
 def lamb_pass2_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, exp_avg, exp_avg_sq, step pointers
-    owner,  # int32 [C]: tensor of each chunk
+    owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     sums,  # [n, 2]: (‖w‖², ‖u‖²) per tensor, as pass 1 returned it (possibly all-reduced)
     found_inf,  # float32 scalar or None: nonzero skips the step
     lr_ptr,  # scalar tensor or None: the learning rate when it is a tensor (LR_IS_TENSOR)
@@ -134,39 +136,40 @@ def lamb_pass2_kernel(
     P_DTYPE: tl.constexpr, CD: tl.constexpr,
     HAS_MASTER: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
     ADAPT: tl.constexpr, BOUNDED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Trust ratio ``φ`` from ``sums`` and the update ``w ← w·(1 − lr·λ_decoupled) − lr·φ·u``."""
-    i, rec, start, n_here, first, count = chunk_of(records, owner, CHUNK)
-    n_here, _ = live_elements(n_here, found_inf, HAS_FOUND_INF)
-    t = tl.load(tensor_ptr(rec, STEP, tl.float32, False))  # already advanced by pass 1
-    bc1, bc2 = _bias_corrections(t, beta1, beta2, CD, BIAS_CORRECTION)
+    c, valid, i, rec, start, n, first, count, inc = chunks_of(
+        records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
+    t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
+    bc1, bc2 = _bias_corrections(t, beta1, beta2, CD, BIAS_CORRECTION)  # t: advanced by pass 1
     eps_c = to_compute(eps, CD)
     lam = to_compute(lambda_in_u, CD)
-    w_sq = tl.load(sums + 2 * i).to(CD)
-    u_sq = tl.load(sums + 2 * i + 1).to(CD)
+    w_sq = tl.load(sums + 2 * i, mask=valid, other=0.0).to(CD)
+    u_sq = tl.load(sums + 2 * i + 1, mask=valid, other=0.0).to(CD)
     phi = lamb_trust_ratio(w_sq, u_sq, to_compute(ratio_lo, CD), to_compute(ratio_hi, CD), ADAPT, BOUNDED)
     if LR_IS_TENSOR:
         lr64 = tl.load(lr_ptr).to(tl.float64)
     else:
         lr64 = tl.full((), lr, tl.float64)
-    lr_phi = lr64.to(CD) * phi
+    lr_phi = (lr64.to(CD) * phi)[:, None]
     decay = (1.0 - lr64 * tl.full((), decoupled_wd, tl.float64)).to(CD)
     if HAS_MASTER:
-        w_ptr = tensor_ptr(rec, MASTER, CD, ALIGNED) + start
+        w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
     else:
-        w_ptr = tensor_ptr(rec, PARAM, P_DTYPE, ALIGNED) + start
-    p_ptr = tensor_ptr(rec, PARAM, P_DTYPE, ALIGNED) + start
-    m_ptr = tensor_ptr(rec, STATE0, CD, ALIGNED) + start
-    v_ptr = tensor_ptr(rec, STATE1, CD, ALIGNED) + start
+        w_ptr = tensor_ptrs(rec, PARAM, P_DTYPE, ALIGNED) + start[:, None]
+    p_ptr = tensor_ptrs(rec, PARAM, P_DTYPE, ALIGNED) + start[:, None]
+    m_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
+    v_ptr = tensor_ptrs(rec, STATE1, CD, ALIGNED) + start[:, None]
 
-    lanes = tl.arange(0, BLOCK)
-    n_full = n_here // BLOCK * BLOCK
-    for off in range(0, n_full, BLOCK):
-        o = tl.multiple_of(off, BLOCK) + lanes
-        _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, None, bc1, bc2, eps_c, lam, lr_phi, decay,
-                    P_DTYPE, CD, HAS_MASTER)
-    if n_full < n_here:
-        o = n_full + lanes
-        _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, lanes < n_here - n_full, bc1, bc2, eps_c,
-                    lam, lr_phi, decay, P_DTYPE, CD, HAS_MASTER)
+    cols = tl.arange(0, BLOCK)[None, :]
+    if tl.min(n, 0) == CHUNK:
+        for off in range(0, CHUNK, BLOCK):
+            o = off + cols
+            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, None, bc1, bc2, eps_c, lam, lr_phi,
+                        decay, P_DTYPE, CD, HAS_MASTER)
+    else:
+        for off in range(0, tl.max(n, 0), BLOCK):
+            o = off + cols
+            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], bc1, bc2, eps_c, lam,
+                        lr_phi, decay, P_DTYPE, CD, HAS_MASTER)

@@ -1,24 +1,25 @@
 """What every fusedopt kernel shares: reading the tables, and the deterministic two-stage norms.
 
-A program owns one chunk of ``CHUNK`` elements of one tensor (kernels/tables.py). It walks its
-chunk in tiles of ``BLOCK`` elements: the full tiles without a mask (so the loads vectorise), the
-last, partial one with a mask.
+A program owns ``ROWS`` consecutive chunks of the bucket (kernels/tables.py), one per row of its
+``[ROWS, BLOCK]`` tiles; per-tensor values (pointers, step counts, trust ratios) are ``[ROWS]``
+vectors broadcast along the row. It walks its chunks in tiles of ``BLOCK`` columns: without a
+mask when every row is a full chunk (so the loads can vectorise), else with a mask per row.
 
-Note [two-stage norms]: each program reduces its chunk to partial sums (a fixed tree over the
-lanes of its tile accumulators) and stores them at its own slot of ``partials``. It then adds 1
-to the int32 counter of its tensor; the program that brings the counter to the tensor's number
-of chunks is the last one of that tensor, and only it reduces the tensor's partials, in chunk
-order with ``RBLOCK`` fixed lanes, writes the tensor's sums and resets the counter to 0. Which
-program comes last varies from run to run, but the reduction it performs does not, so the sums
-are bit-identical on every run (no float atomics). The integer atomic has acquire-release
-semantics at GPU scope and a CTA barrier precedes it, so each program's partial stores (and its
-earlier reads of the step count, see Note [step counts]) happen before the last program's
-reads; those bypass L1 (``.cg``), which could hold lines from an earlier step.
+Note [two-stage norms]: each program reduces every row to the partial sums of its chunk (a fixed
+tree over the tile's columns) and stores them at the chunk's slot of ``partials``. It then adds
+1 to the int32 counter of each row's tensor; the row that brings a counter to the tensor's
+number of chunks is the tensor's last, and only its program reduces the tensor's partials, in
+chunk order over ``RBLOCK`` fixed lanes, writes the tensor's sums and resets the counter to 0.
+Which program comes last varies from run to run, but the reduction it performs does not, so the
+sums are bit-identical on every run (no float atomics). The integer atomic has acquire-release
+semantics at GPU scope and a CTA barrier precedes it, so the partial stores of every program
+(and its earlier reads of the step counts, see Note [step counts]) happen before the last
+program's reads, which bypass L1 (``.cg``: it could hold lines from an earlier step).
 
-Note [step counts]: pass 1 increments each tensor's step count (unless found_inf). Every program
-of a tensor reads the old count and uses ``t + 1``; only the last program of the tensor (the one
-that finalises its sums) stores ``t + 1``, after all the others have read ``t`` (Note
-[two-stage norms]). Pass 2, a later launch, reads the new count.
+Note [step counts]: pass 1 advances each tensor's step count (unless found_inf). Every row of a
+tensor reads the old count and uses ``t + 1``; only the tensor's last row (the one that writes
+its sums) stores ``t + 1``, after all the others have read ``t`` (Note [two-stage norms]).
+Pass 2, a later launch, reads the new count.
 """
 import triton
 import triton.language as tl
@@ -38,39 +39,39 @@ FIRST_CHUNK = tl.constexpr(_tables.FIRST_CHUNK)
 
 
 @triton.jit
-def chunk_of(records, owner, CHUNK: tl.constexpr):
-    """This program's chunk: ``(i, rec, start, n_here, first, count)`` = its tensor, the tensor's
-    record, the chunk's first element, its number of elements (``<= CHUNK``, 0 for a 0-size
-    tensor), the tensor's first chunk and its number of chunks."""
-    pid = tl.program_id(0)
-    i = tl.load(owner + pid)
+def chunks_of(records, owner, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr,
+              ROWS: tl.constexpr):
+    """This program's rows, as ``[ROWS]`` vectors: ``(c, valid, i, rec, start, n, first, count,
+    inc)`` = chunk index, whether the row holds a chunk, its tensor, the tensor's record, the
+    chunk's first element, the elements to update (0 for padding, a 0-size tensor, or when
+    ``*found_inf`` is nonzero), the tensor's first chunk and number of chunks, and the step
+    increment (1, or 0 when ``*found_inf`` is nonzero: a skipped step touches no memory)."""
+    c = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    i = tl.load(owner + c)
+    valid = i >= 0
+    i = tl.maximum(i, 0)
     rec = records + i.to(tl.int64) * RECORD
     numel = tl.load(rec + NUMEL)
     first = tl.load(rec + FIRST_CHUNK)
     count = tl.maximum(tl.cdiv(numel, CHUNK), 1)
-    start = (pid - first) * CHUNK
-    n_here = tl.minimum(numel - start, CHUNK)
-    return i, rec, start, n_here, first, count
+    start = (c - first) * CHUNK
+    n = tl.where(valid, tl.minimum(numel - start, CHUNK), 0)
+    inc = 1.0
+    if HAS_FOUND_INF:
+        skip = tl.load(found_inf) != 0
+        n = tl.where(skip, 0, n)
+        inc = tl.where(skip, 0.0, 1.0)
+    return c, valid, i, rec, start, n, first, count, inc
 
 
 @triton.jit
-def tensor_ptr(rec, COLUMN: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """The data pointer in column COLUMN of a record, typed ``DTYPE*``; ALIGNED promises 16 bytes."""
+def tensor_ptrs(rec, COLUMN: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The data pointers in column COLUMN of the rows' records, typed ``DTYPE*``, as a ``[ROWS, 1]``
+    column; ALIGNED promises that each is a multiple of 16 bytes."""
     ptr = tl.load(rec + COLUMN).to(tl.pointer_type(DTYPE))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
-    return ptr
-
-
-@triton.jit
-def live_elements(n_here, found_inf, HAS_FOUND_INF: tl.constexpr):
-    """``(n, inc)``: the elements this program updates and the step increment; ``(0, 0)`` when
-    ``*found_inf`` is nonzero, so a skipped step touches no memory and leaves the count alone."""
-    if HAS_FOUND_INF:
-        skip = tl.load(found_inf) != 0
-        return tl.where(skip, 0, n_here), tl.where(skip, 0.0, 1.0)
-    else:
-        return n_here, 1.0
+    return ptr[:, None]
 
 
 @triton.jit
@@ -83,6 +84,15 @@ def grad_multiplier(grad_mult, CD: tl.constexpr, HAS_GRAD_MULT: tl.constexpr):
 
 
 @triton.jit
+def load_tile(ptr, mask):
+    """``*ptr`` over a tile; 0 where ``mask`` is False (``mask`` None: a full tile, no mask)."""
+    if mask is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def masked_sq(x, mask):
     """``x²``, 0 where ``mask`` is False (``mask`` None: the whole tile)."""
     if mask is None:
@@ -92,59 +102,57 @@ def masked_sq(x, mask):
 
 
 @triton.jit
-def finish_chunk(partials, counters, sums, i, first, count, p0, p1, NS: tl.constexpr,
-                 RBLOCK: tl.constexpr):
-    """Second stage of Note [two-stage norms]: store this chunk's partial sums ``(p0, p1)``; if
-    this is the tensor's last chunk to finish, write the tensor's sums (``sums[i]``, or
-    ``sums[i, 0:2]`` when NS == 2). Returns whether this program was the last."""
-    pid = tl.program_id(0)
-    tl.store(partials + 2 * pid, p0)
-    tl.store(partials + 2 * pid + 1, p1)
+def finish_rows(partials, counters, sums, c, valid, i, first, count, p0, p1, NS: tl.constexpr,
+                ROWS: tl.constexpr, RBLOCK: tl.constexpr):
+    """Second stage of Note [two-stage norms]: store the rows' partial sums ``(p0, p1)``; for each
+    row that finishes its tensor, write the tensor's sums (``sums[i]``, or ``sums[i, 0:2]`` when
+    NS == 2). Returns the ``[ROWS]`` mask of those rows."""
+    tl.store(partials + 2 * c, p0, mask=valid)
+    tl.store(partials + 2 * c + 1, p1, mask=valid)
     tl.debug_barrier()
-    done = tl.atomic_add(counters + i, 1, sem="acq_rel", scope="gpu")
-    last = done == count - 1
-    if last:
-        lanes = tl.arange(0, RBLOCK)
-        acc0 = tl.zeros([RBLOCK], p0.dtype)
-        acc1 = tl.zeros([RBLOCK], p0.dtype)
-        for c in range(0, count, RBLOCK):
-            j = c + lanes
-            mask = j < count
-            slot = partials + 2 * (first + j)
+    done = tl.atomic_add(counters + i, 1, mask=valid, sem="acq_rel", scope="gpu")
+    last = valid & (done == count - 1)
+    n_last = tl.max(tl.where(last, count, 0), 0)
+    if n_last > 0:
+        lanes = tl.arange(0, RBLOCK)[None, :]
+        acc0 = tl.zeros([ROWS, RBLOCK], p0.dtype)
+        acc1 = tl.zeros([ROWS, RBLOCK], p0.dtype)
+        for j in range(0, n_last, RBLOCK):
+            mask = last[:, None] & (j + lanes < count[:, None])
+            slot = partials + 2 * (first[:, None] + j + lanes)
             acc0 += tl.load(slot, mask=mask, other=0.0, cache_modifier=".cg")
             acc1 += tl.load(slot + 1, mask=mask, other=0.0, cache_modifier=".cg")
         if NS == 2:
-            tl.store(sums + 2 * i, tl.sum(acc0, 0))
-            tl.store(sums + 2 * i + 1, tl.sum(acc1, 0))
+            tl.store(sums + 2 * i, tl.sum(acc0, 1), mask=last)
+            tl.store(sums + 2 * i + 1, tl.sum(acc1, 1), mask=last)
         else:
-            tl.store(sums + i, tl.sum(acc0, 0))
-        tl.store(counters + i, 0)
+            tl.store(sums + i, tl.sum(acc0, 1), mask=last)
+        tl.store(counters + i, 0, mask=last)
     return last
 
 
 @triton.jit
 def sq_norms_kernel(
     records,  # int64 [n, RECORD]: the tensors in the PARAM column
-    owner,  # int32 [C]: tensor of each chunk
+    owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     partials,  # CD [C, 2]: chunk partial sums
     counters,  # int32 [n]: finished chunks per tensor (zero between launches)
     sums,  # CD [n]: output, Σx² per tensor
     X_DTYPE: tl.constexpr, CD: tl.constexpr, ALIGNED: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
 ):
     """``sums[i] = Σ x_i²`` (global gradient clipping), accumulated in CD."""
-    i, rec, start, n_here, first, count = chunk_of(records, owner, CHUNK)
-    x_ptr = tensor_ptr(rec, PARAM, X_DTYPE, ALIGNED) + start
-    lanes = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], CD)
-    n_full = n_here // BLOCK * BLOCK
-    for off in range(0, n_full, BLOCK):
-        off = tl.multiple_of(off, BLOCK)
-        x = tl.load(x_ptr + off + lanes).to(CD)
-        acc += x * x
-    if n_full < n_here:
-        mask = lanes < n_here - n_full
-        x = tl.load(x_ptr + n_full + lanes, mask=mask, other=0.0).to(CD)
-        acc += x * x
-    p = tl.sum(acc, 0)
-    finish_chunk(partials, counters, sums, i, first, count, p, p, 1, RBLOCK)
+    c, valid, i, rec, start, n, first, count, inc = chunks_of(records, owner, None, False, CHUNK, ROWS)
+    x_ptr = tensor_ptrs(rec, PARAM, X_DTYPE, ALIGNED) + start[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    acc = tl.zeros([ROWS, BLOCK], CD)
+    if tl.min(n, 0) == CHUNK:
+        for off in range(0, CHUNK, BLOCK):
+            x = tl.load(x_ptr + (off + cols)).to(CD)
+            acc += x * x
+    else:
+        for off in range(0, tl.max(n, 0), BLOCK):
+            x = tl.load(x_ptr + (off + cols), mask=off + cols < n[:, None], other=0.0).to(CD)
+            acc += x * x
+    p = tl.sum(acc, 1)
+    finish_rows(partials, counters, sums, c, valid, i, first, count, p, p, 1, ROWS, RBLOCK)

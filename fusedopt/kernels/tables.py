@@ -5,24 +5,14 @@ The kernels never receive a Python list of tensors. A bucket of ``n`` tensors is
 * ``records``: int64 ``[n, RECORD]``, one row per tensor: the data pointers of its param, grad,
   master, the two state tensors and the step count (0 where the kernel does not use one), its
   ``numel`` and the index of its first chunk;
-* ``owner``: int32 ``[C]``, the tensor of each chunk. Tensor ``i`` is cut into
-  ``max(1, ceil(numel / CHUNK_SIZE))`` chunks of ``CHUNK_SIZE`` elements, one program each (a
-  0-size tensor still gets one program: it writes its sums and its step count);
+* ``owner``: int32, the tensor of each chunk. Tensor ``i`` is cut into
+  ``max(1, ceil(numel / CHUNK_SIZE))`` chunks (a 0-size tensor still gets one: it writes its sums
+  and its step count). A program takes ``ROWS`` consecutive chunks, one per row of its
+  ``[ROWS, BLOCK_SIZE]`` tiles, so many small tensors share a program and a large one spreads
+  over many; ``owner`` is padded with -1 to a multiple of ``ROWS``;
 * the workspace of the two-stage norms: ``partials`` ``[C, 2]`` and the int32 ``counters`` ``[n]``
   (zero between launches, see kernels/norms.py).
 
-Note [table cache]: building a table is a host loop over the tensors and one host-to-device copy,
-so tables are cached, keyed by the device, the chunk size, the tuple of every data pointer and
-every ``numel``; a step whose tensors did not move reuses them. A hit costs one Python pass over
-the tensors (``data_ptr()``/``numel()``), no torch op. Only the pointers are keyed, never the
-tensors, so the cache keeps no user memory alive; it is a small LRU.
-
-Note [launch limit]: one launch covers at most ``MAX_TENSORS_PER_LAUNCH`` tensors; a larger
-bucket is cut into consecutive slices with one set of launches each (and its own table), so the
-launches per step are constant up to that many tensors and grow by one set per further slice.
-The limit bounds the size of one table (64 B per tensor) and of one host-to-device copy; it is a
-module attribute so tests can lower it.
-"""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -33,9 +23,11 @@ import torch
 
 # Note [launch limit]
 MAX_TENSORS_PER_LAUNCH = 32768
-# Elements per program, and per tile of the loop inside a program (CHUNK_SIZE % BLOCK_SIZE == 0).
-CHUNK_SIZE = 65536
-BLOCK_SIZE = 2048
+# Elements per chunk; chunks per program (rows of a tile); columns of a tile. Powers of two.
+CHUNK_SIZE = 16384
+ROWS = 4
+BLOCK_SIZE = 512
+NUM_WARPS = 4
 # Lanes of the finaliser's fixed-order reduction over the chunk partials of one tensor.
 REDUCE_BLOCK = 128
 CACHE_ENTRIES = 64
@@ -52,7 +44,7 @@ def launch(kernel, num_programs: int, **kwargs) -> None:
     global _launches
     _launches += 1
     try:
-        kernel[(num_programs,)](**kwargs)
+        kernel[(num_programs,)](num_warps=NUM_WARPS, **kwargs)
     except BaseException:
         clear_cache()  # a launch that stopped half-way may leave norm counters nonzero
         raise
@@ -69,8 +61,9 @@ class Table:
 
     n: int
     num_chunks: int
+    num_programs: int
     records: torch.Tensor  # int64 [n, RECORD]
-    owner: torch.Tensor  # int32 [num_chunks]
+    owner: torch.Tensor  # int32 [num_programs * ROWS], -1 past the last chunk
     counters: torch.Tensor  # int32 [n], zero between launches
     aligned: bool  # every data pointer is a multiple of 16 bytes
     _partials: dict = field(default_factory=dict)
@@ -100,11 +93,14 @@ def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[i
         c += k
     rows = [list(r) for r in zip(*columns, numels, firsts)]
     records = torch.tensor(rows, dtype=torch.int64).reshape(n, RECORD)
-    owner = torch.repeat_interleave(torch.arange(n, dtype=torch.int32),
-                                    torch.tensor(counts, dtype=torch.int64))
+    programs = -(-c // ROWS)
+    owner = torch.full((programs * ROWS,), -1, dtype=torch.int32)
+    owner[:c] = torch.repeat_interleave(torch.arange(n, dtype=torch.int32),
+                                        torch.tensor(counts, dtype=torch.int64))
     aligned = all(p % 16 == 0 for col in columns for p in col)
-    return Table(n=n, num_chunks=c, records=records.to(device), owner=owner.to(device),
-                 counters=torch.zeros(n, dtype=torch.int32, device=device), aligned=aligned)
+    return Table(n=n, num_chunks=c, num_programs=programs, records=records.to(device),
+                 owner=owner.to(device), counters=torch.zeros(n, dtype=torch.int32, device=device),
+                 aligned=aligned)
 
 
 def tables(tensors: Sequence[Sequence[torch.Tensor] | None]) -> list[tuple[int, int, Table]]:
@@ -123,7 +119,7 @@ def tables(tensors: Sequence[Sequence[torch.Tensor] | None]) -> list[tuple[int, 
         part = [None if ts is None else ts[start:stop] for ts in tensors]
         columns = [_ptrs(ts, stop - start) for ts in part]
         numels = tuple(t.numel() for t in part[0])
-        key = (device, CHUNK_SIZE, tuple(columns), numels)
+        key = (device, CHUNK_SIZE, ROWS, tuple(columns), numels)
         table = _cache.get(key)
         if table is None:
             table = _cache[key] = _build(device, columns, numels)

@@ -1,0 +1,350 @@
+// CUDA implementations of the torch.ops.fusedopt.* operators (schemas in csrc/cpu/register.cpp,
+// argument conventions in csrc/cpu/ops.h), and the (empty) Python module fusedopt._cuda whose
+// import registers them. This file checks the tensors, turns them into raw pointers and calls the
+// launchers of launch.h on the current stream; it never reads a tensor value on the host, so a
+// step neither synchronizes nor copies anything between host and device.
+#include <Python.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "../cpu/ops.h"
+#include "launch.h"
+
+namespace fusedopt {
+namespace cuda {
+namespace {
+
+constexpr const char* kWho = "fusedopt cuda backend: ";
+
+DType to_dtype(at::ScalarType s, const char* what) {
+  switch (s) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    default:
+      TORCH_CHECK(false, kWho, what, " of dtype ", s,
+                  " are not supported (float32, float16, bfloat16, float64 are)");
+  }
+}
+
+at::ScalarType compute_dtype(at::ScalarType weight_dtype) {
+  return weight_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Checks one tensor list of a bucket and returns its dtype: n tensors of one dtype on the device
+// of the weights, each non-overlapping and dense with the numel and strides of its weight (so all
+// can be walked as flat arrays of numel() elements from data_ptr()).
+at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char* name) {
+  TORCH_CHECK(ts.size() == weights.size(), kWho, weights.size(), " weights but ", ts.size(), " ",
+              name);
+  TORCH_CHECK(!ts.empty(), kWho, "empty bucket (", name, ")");
+  const at::ScalarType dtype = ts[0].scalar_type();
+  const c10::Device device = weights[0].device();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    TORCH_CHECK(t.device() == device && device.is_cuda(), kWho, name, "[", i, "] is on ",
+                t.device(), " but the bucket is on ", device, "; it runs on CUDA tensors only");
+    TORCH_CHECK(t.scalar_type() == dtype, kWho, name, " mix dtypes ", dtype, " and ",
+                t.scalar_type());
+    TORCH_CHECK(t.is_non_overlapping_and_dense(), kWho, name, "[", i, "] is not dense (strides ",
+                t.strides(), ")");
+    TORCH_CHECK(t.numel() == weights[i].numel() && t.strides() == weights[i].strides(), kWho,
+                name, "[", i, "] has shape ", t.sizes(), " and strides ", t.strides(),
+                " but its weight ", weights[i].sizes(), " and ", weights[i].strides());
+  }
+  return dtype;
+}
+
+void check_state(at::TensorList ts, at::TensorList weights, at::ScalarType compute,
+                 const char* name) {
+  const at::ScalarType dtype = check_list(ts, weights, name);
+  TORCH_CHECK(dtype == compute, kWho, name, " must be ", compute, " (the compute dtype), got ",
+              dtype);
+}
+
+void check_steps(at::TensorList steps, at::TensorList weights) {
+  TORCH_CHECK(steps.size() == weights.size(), kWho, weights.size(), " weights but ",
+              steps.size(), " steps");
+  for (const at::Tensor& s : steps) {
+    TORCH_CHECK(s.device() == weights[0].device() && s.scalar_type() == at::kFloat &&
+                    s.numel() == 1,
+                kWho, "step counts must be one-element float32 tensors on ", weights[0].device(),
+                ", got ", s.scalar_type(), " of shape ", s.sizes(), " on ", s.device());
+  }
+}
+
+// Device pointer of an optional one-element tensor on the bucket's device, read by the kernels.
+template <typename T>
+const T* scalar_ptr(const std::optional<at::Tensor>& t, at::ScalarType dtype, c10::Device device,
+                    const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->device() == device && t->scalar_type() == dtype && t->numel() == 1, kWho, name,
+              " must be a one-element ", dtype, " tensor on ", device, ", got ", t->scalar_type(),
+              " of shape ", t->sizes(), " on ", t->device());
+  return static_cast<const T*>(t->const_data_ptr());
+}
+
+DeviceScalars device_scalars(const std::optional<at::Tensor>& grad_mult,
+                             const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::Tensor>& lr, at::ScalarType compute,
+                             c10::Device device) {
+  DeviceScalars s;
+  s.grad_mult = scalar_ptr<void>(grad_mult, compute, device, "grad_mult");
+  s.found_inf = scalar_ptr<float>(found_inf, at::kFloat, device, "found_inf");
+  s.lr = scalar_ptr<double>(lr, at::kDouble, device, "lr (a tensor)");
+  return s;
+}
+
+LambHyper lamb_hyper(at::ArrayRef<double> x) {
+  using namespace fusedopt::cpu;
+  TORCH_CHECK(x.size() == kLambFields, kWho, "LAMB hyper has ", x.size(), " values, expected ",
+              static_cast<int>(kLambFields));
+  LambHyper h;
+  h.lr = x[kLambLr];
+  h.beta1 = x[kLambBeta1];
+  h.beta2 = x[kLambBeta2];
+  h.beta3 = x[kLambBeta3];
+  h.eps = x[kLambEps];
+  h.weight_decay = x[kLambWeightDecay];
+  h.ratio_lo = x[kLambRatioLo];
+  h.ratio_hi = x[kLambRatioHi];
+  h.bias_correction = x[kLambBiasCorrection] != 0.0;
+  h.adapt = x[kLambAdapt] != 0.0;
+  h.decoupled = x[kLambDecoupled] != 0.0;
+  h.bounded = x[kLambBounded] != 0.0;
+  return h;
+}
+
+LarsHyper lars_hyper(at::ArrayRef<double> x) {
+  using namespace fusedopt::cpu;
+  TORCH_CHECK(x.size() == kLarsFields, kWho, "LARS hyper has ", x.size(), " values, expected ",
+              static_cast<int>(kLarsFields));
+  LarsHyper h;
+  h.lr = x[kLarsLr];
+  h.momentum = x[kLarsMomentum];
+  h.dampening = x[kLarsDampening];
+  h.weight_decay = x[kLarsWeightDecay];
+  h.trust_coefficient = x[kLarsTrustCoefficient];
+  h.eps = x[kLarsEps];
+  h.nesterov = x[kLarsNesterov] != 0.0;
+  h.trust_clip = x[kLarsTrustClip] != 0.0;
+  h.combined = x[kLarsCombined] != 0.0;
+  h.lr_in_momentum = x[kLarsLrInMomentum] != 0.0;
+  h.adapt = x[kLarsAdapt] != 0.0;
+  return h;
+}
+
+// The raw pointers of a bucket's lists; owns the arrays BucketPtrs points into.
+struct Pointers {
+  std::vector<int64_t> numel;
+  std::vector<void*> weights, grads, state1, state2, params;
+  std::vector<float*> steps;
+  BucketPtrs b{};
+
+  static std::vector<void*> of(at::TensorList ts) {
+    std::vector<void*> p(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) p[i] = ts[i].data_ptr();
+    return p;
+  }
+
+  Pointers(at::TensorList w, at::TensorList g, at::TensorList s1, at::TensorList s2,
+           at::TensorList p, at::TensorList st)
+      : weights(of(w)), grads(of(g)), state1(of(s1)), state2(of(s2)), params(of(p)) {
+    numel.resize(w.size());
+    steps.resize(st.size());
+    for (size_t i = 0; i < w.size(); ++i) numel[i] = w[i].numel();
+    for (size_t i = 0; i < st.size(); ++i) steps[i] = st[i].data_ptr<float>();
+    b.n = static_cast<int64_t>(w.size());
+    b.numel = numel.data();
+    b.weights = weights.data();
+    b.weight_dtype = to_dtype(w[0].scalar_type(), "weights");
+    b.grads = g.empty() ? nullptr : grads.data();
+    b.grad_dtype = g.empty() ? b.weight_dtype : to_dtype(g[0].scalar_type(), "grads");
+    b.state1 = s1.empty() ? nullptr : state1.data();
+    b.state2 = s2.empty() ? nullptr : state2.data();
+    b.params = p.empty() ? nullptr : params.data();
+    b.param_dtype = p.empty() ? b.weight_dtype : to_dtype(p[0].scalar_type(), "params");
+    b.steps = steps.data();
+  }
+};
+
+// The combinations the kernels are built for (fusedopt/backends/cuda.py declines the others
+// before any state is created; this is the last line of defence).
+void check_supported(const BucketPtrs& b) {
+  const bool wide = b.weight_dtype == DType::kFloat64;
+  TORCH_CHECK(b.grads == nullptr || wide == (b.grad_dtype == DType::kFloat64), kWho,
+              "float64 weights need float64 grads and other weights non-float64 grads");
+  TORCH_CHECK(b.params == nullptr || (b.weight_dtype == DType::kFloat32 &&
+                                      (b.param_dtype == DType::kFloat16 ||
+                                       b.param_dtype == DType::kBFloat16)),
+              kWho, "master weights are float32 copies of bfloat16/float16 params");
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, kWho, op, " failed: ", cudaGetErrorString(err));
+}
+
+// The [n, 2] sums given to pass 2, as a dense tensor of the compute dtype on the device.
+at::Tensor sums_arg(const at::Tensor& sums, int64_t n, at::ScalarType compute, c10::Device device) {
+  TORCH_CHECK(sums.dim() == 2 && sums.size(0) == n && sums.size(1) == 2, kWho, "sums must be [",
+              n, ", 2], got ", sums.sizes());
+  TORCH_CHECK(sums.device() == device, kWho, "sums are on ", sums.device(), ", the bucket on ",
+              device);
+  return sums.to(compute).contiguous();
+}
+
+at::Tensor workspace(int64_t n, const int64_t* numel, int64_t k, const at::Tensor& like,
+                     at::ScalarType dtype) {
+  return at::empty({total_chunks(n, numel), k}, like.options().dtype(dtype));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------- ops
+
+at::Tensor sq_norms(at::TensorList tensors) {
+  TORCH_CHECK(!tensors.empty(), kWho, "sq_norms of an empty list");
+  const at::ScalarType dtype = tensors[0].scalar_type();
+  const c10::Device device = tensors[0].device();
+  std::vector<at::Tensor> dense(tensors.begin(), tensors.end());
+  std::vector<int64_t> numel(dense.size());
+  std::vector<void*> data(dense.size());
+  for (size_t i = 0; i < dense.size(); ++i) {
+    TORCH_CHECK(dense[i].device() == device && device.is_cuda(), kWho, "sq_norms got tensors on ",
+                device, " and ", dense[i].device(), "; it runs on CUDA tensors of one device");
+    TORCH_CHECK(dense[i].scalar_type() == dtype, kWho, "sq_norms got dtypes ", dtype, " and ",
+                dense[i].scalar_type(), "; pass tensors of one dtype");
+    // A dense tensor's elements fill [data_ptr, data_ptr + numel) in some order; others are
+    // copied (never the case for the tensors of an optimizer step).
+    if (!dense[i].is_non_overlapping_and_dense()) dense[i] = dense[i].contiguous();
+    numel[i] = dense[i].numel();
+    data[i] = dense[i].data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const at::ScalarType out_dtype = compute_dtype(dtype);
+  const int64_t n = static_cast<int64_t>(dense.size());
+  at::Tensor out = at::empty({n}, dense[0].options().dtype(out_dtype));
+  at::Tensor partials = workspace(n, numel.data(), 1, out, out_dtype);
+  check_launch(launch_sq_norms(n, numel.data(), data.data(), to_dtype(dtype, "sq_norms inputs"),
+                               out.data_ptr(), partials.data_ptr(),
+                               c10::cuda::getCurrentCUDAStream()),
+               "sq_norms");
+  return out;
+}
+
+at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList steps, at::ArrayRef<double> hyper,
+                      const std::optional<at::Tensor>& grad_mult,
+                      const std::optional<at::Tensor>& found_inf) {
+  const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
+  check_list(grads, weights, "grads");
+  check_state(exp_avgs, weights, compute, "exp_avgs");
+  check_state(exp_avg_sqs, weights, compute, "exp_avg_sqs");
+  check_steps(steps, weights);
+  const c10::Device device = weights[0].device();
+  const LambHyper h = lamb_hyper(hyper);
+  const DeviceScalars s = device_scalars(grad_mult, found_inf, std::nullopt, compute, device);
+  const Pointers p(weights, grads, exp_avgs, exp_avg_sqs, {}, steps);
+  check_supported(p.b);
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor sums = at::empty({p.b.n, 2}, weights[0].options().dtype(compute));
+  at::Tensor partials = workspace(p.b.n, p.b.numel, 2, sums, compute);
+  check_launch(launch_lamb_pass1(p.b, h, s, sums.data_ptr(), partials.data_ptr(),
+                                 c10::cuda::getCurrentCUDAStream()),
+               "lamb_pass1");
+  return sums;
+}
+
+void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
+                at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& sums,
+                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const std::optional<at::Tensor>& found_inf) {
+  const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
+  if (!params.empty()) check_list(params, weights, "params");
+  check_state(exp_avgs, weights, compute, "exp_avgs");
+  check_state(exp_avg_sqs, weights, compute, "exp_avg_sqs");
+  check_steps(steps, weights);
+  const c10::Device device = weights[0].device();
+  const LambHyper h = lamb_hyper(hyper);
+  const DeviceScalars s = device_scalars(std::nullopt, found_inf, lr, compute, device);
+  const Pointers p(weights, {}, exp_avgs, exp_avg_sqs, params, steps);
+  check_supported(p.b);
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor s2 = sums_arg(sums, p.b.n, compute, device);
+  check_launch(launch_lamb_pass2(p.b, h, s, s2.const_data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               "lamb_pass2");
+}
+
+at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorList steps,
+                      at::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_mult,
+                      const std::optional<at::Tensor>& found_inf) {
+  const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
+  check_list(grads, weights, "grads");
+  check_steps(steps, weights);
+  const c10::Device device = weights[0].device();
+  const LarsHyper h = lars_hyper(hyper);
+  const DeviceScalars s = device_scalars(grad_mult, found_inf, std::nullopt, compute, device);
+  const Pointers p(weights, grads, {}, {}, {}, steps);
+  check_supported(p.b);
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor sums = at::empty({p.b.n, 2}, weights[0].options().dtype(compute));
+  at::Tensor partials = workspace(p.b.n, p.b.numel, 2, sums, compute);
+  check_launch(launch_lars_pass1(p.b, h, s, sums.data_ptr(), partials.data_ptr(),
+                                 c10::cuda::getCurrentCUDAStream()),
+               "lars_pass1");
+  return sums;
+}
+
+void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList grads,
+                at::TensorList momentum_buffers, at::TensorList steps, const at::Tensor& sums,
+                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const std::optional<at::Tensor>& grad_mult,
+                const std::optional<at::Tensor>& found_inf) {
+  const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
+  check_list(grads, weights, "grads");
+  if (!params.empty()) check_list(params, weights, "params");
+  check_state(momentum_buffers, weights, compute, "momentum_buffers");
+  check_steps(steps, weights);
+  const c10::Device device = weights[0].device();
+  const LarsHyper h = lars_hyper(hyper);
+  const DeviceScalars s = device_scalars(grad_mult, found_inf, lr, compute, device);
+  const Pointers p(weights, grads, momentum_buffers, {}, params, steps);
+  check_supported(p.b);
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor s2 = sums_arg(sums, p.b.n, compute, device);
+  check_launch(launch_lars_pass2(p.b, h, s, s2.const_data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               "lars_pass2");
+}
+
+// The CPU and CUDA kernels of an operator must share one C++ signature (the schema's).
+static_assert(std::is_same_v<decltype(&sq_norms), decltype(&cpu::sq_norms)>);
+static_assert(std::is_same_v<decltype(&lamb_pass1), decltype(&cpu::lamb_pass1)>);
+static_assert(std::is_same_v<decltype(&lamb_pass2), decltype(&cpu::lamb_pass2)>);
+static_assert(std::is_same_v<decltype(&lars_pass1), decltype(&cpu::lars_pass1)>);
+static_assert(std::is_same_v<decltype(&lars_pass2), decltype(&cpu::lars_pass2)>);
+
+}  // namespace cuda
+}  // namespace fusedopt
+
+TORCH_LIBRARY_IMPL(fusedopt, CUDA, m) {
+  m.impl("sq_norms", &fusedopt::cuda::sq_norms);
+  m.impl("lamb_pass1", &fusedopt::cuda::lamb_pass1);
+  m.impl("lamb_pass2", &fusedopt::cuda::lamb_pass2);
+  m.impl("lars_pass1", &fusedopt::cuda::lars_pass1);
+  m.impl("lars_pass2", &fusedopt::cuda::lars_pass2);
+}
+
+extern "C" PyObject* PyInit__cuda(void) {
+  static PyModuleDef module = {
+      PyModuleDef_HEAD_INIT, "_cuda",
+      "fusedopt CUDA kernels, registered as the CUDA kernels of torch.ops.fusedopt.* "
+      "(import fusedopt._C first: it defines the operators)",
+      -1, nullptr, nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module);
+}

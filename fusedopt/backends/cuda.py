@@ -1,0 +1,109 @@
+"""CUDA backend: the multi-tensor kernels of ``csrc/cuda``, called as ``torch.ops.fusedopt.*``.
+
+The operators are the ones of the C++ CPU backend (schemas defined by ``fusedopt._C``, fake
+implementations registered by :mod:`fusedopt.backends.cpp`); ``fusedopt._cuda`` registers their
+CUDA kernels, so a CUDA tensor dispatches here and a CPU tensor to the CPU kernels.
+
+Per pass and bucket: pass 1 is one chunk kernel plus one per-tensor reduction kernel (for every
+table of up to ~60 tensors: see Note [launch splitting] in ``csrc/cuda/multi_tensor_apply.cuh``);
+pass 2 is one chunk kernel per table. Norms are reduced in two deterministic stages (per-chunk
+partial sums, then a fixed-order sum per tensor; no float atomics), step counts are advanced on
+the device by the reduction, and ``grad_mult`` / ``found_inf`` / a tensor ``lr`` are read by the
+kernels through pointers, so ``step()`` never synchronizes with the host.
+
+The per-element math is ``csrc/fusedopt/math.h``, the header the CPU backend compiles too (its
+tests check it on the host against the float64 reference).
+
+``fusedopt._cuda`` is imported when this backend is first constructed; when it was not built (a CPU
+build of torch, no nvcc) or does not load, the constructor raises ImportError with guidance, which
+``backend="auto"`` treats as "use Triton or eager" and an explicit ``backend="cuda"`` reports.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import Backend, get_backend, load_error
+from ..functional import Bucket
+from .._hyper import LambHyper, LarsHyper
+# The operators, their ``hyper`` field order and argument helpers are shared with the CPU backend.
+from .cpp import LAMB_FIELDS, LARS_FIELDS, _hyper_args, _low_precision_params
+
+_LOW = (torch.float32, torch.bfloat16, torch.float16)
+_BUILD_ERRORS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_errors.txt")
+
+
+def _load_extension() -> None:
+    """Import ``fusedopt._C`` (operator schemas) and ``fusedopt._cuda`` (their CUDA kernels)."""
+    if get_backend("cpp") is None:
+        raise ImportError(
+            "the cuda backend uses the operators defined by the C++ extension fusedopt._C, which "
+            f"is not available: {load_error('cpp')}"
+        )
+    try:
+        from .. import _cuda  # noqa: F401
+    except ImportError as e:
+        msg = f"the fusedopt CUDA extension (fusedopt._cuda) is not importable: {e}."
+        if os.path.exists(_BUILD_ERRORS):
+            with open(_BUILD_ERRORS) as f:
+                msg += f" Build errors recorded at install: {f.read().strip()}."
+        if torch.version.cuda is None:
+            msg += (f" This torch ({torch.__version__}) is a CPU build, which cannot link a CUDA "
+                    "extension; install a CUDA build of torch first.")
+        msg += (" Reinstall with `pip install --no-build-isolation -e .` with nvcc on PATH "
+                "(FUSEDOPT_BUILD_CUDA=1 forces the CUDA build; TORCH_CUDA_ARCH_LIST picks the "
+                "GPU architectures).")
+        raise ImportError(msg) from e
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self):
+        _load_extension()
+        self._ops = torch.ops.fusedopt
+
+    def unavailable_reason(self, device, param_dtype, grad_dtype):
+        if device.type != "cuda":
+            return (f"the cuda backend runs on CUDA tensors only, not on {device.type} "
+                    "(use backend='cpp' or 'eager' there)")
+        if param_dtype == torch.float64:
+            if grad_dtype != torch.float64:
+                return (f"the cuda backend has no kernel for float64 params with grad dtype "
+                        f"{grad_dtype} (float64 params need float64 grads)")
+            return None
+        if param_dtype not in _LOW:
+            return (f"the cuda backend has no kernel for param dtype {param_dtype} "
+                    "(float32, bfloat16, float16 and float64 are supported)")
+        if grad_dtype not in _LOW:
+            return (f"the cuda backend has no kernel for grad dtype {grad_dtype} with param dtype "
+                    f"{param_dtype} (grads of float32, bfloat16 or float16 are supported)")
+        return None
+
+    def sq_norms(self, tensors):
+        tensors = list(tensors)
+        if not tensors:
+            return torch.zeros(0)
+        return self._ops.sq_norms(tensors)
+
+    # ----------------------------------------------------------------- LAMB
+    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
+        hyper, _ = _hyper_args(h, LAMB_FIELDS, b.device)
+        return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, hyper,
+                                    grad_mult, found_inf)
+
+    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
+        hyper, lr = _hyper_args(h, LAMB_FIELDS, b.device)
+        self._ops.lamb_pass2(b.weights, _low_precision_params(b), b.exp_avgs, b.exp_avg_sqs,
+                             b.steps, sums, hyper, lr, found_inf)
+
+    # ----------------------------------------------------------------- LARS
+    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
+        hyper, _ = _hyper_args(h, LARS_FIELDS, b.device)
+        return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)
+
+    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
+        hyper, lr = _hyper_args(h, LARS_FIELDS, b.device)
+        self._ops.lars_pass2(b.weights, _low_precision_params(b), b.grads, b.momentum_buffers,
+                             b.steps, sums, hyper, lr, grad_mult, found_inf)

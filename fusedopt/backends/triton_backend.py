@@ -1,0 +1,204 @@
+"""Triton backend: each pass of a bucket is one Triton launch over pointer tables.
+
+Launches per ``step()`` for one bucket (one param group, device and dtype), whatever its number of
+tensors up to ``fusedopt.kernels.tables.MAX_TENSORS_PER_LAUNCH``: LAMB 2, LARS 2, plus 1 for
+global clipping (``sq_norms`` of the grads). Outside the launches ``step()`` makes O(1) torch
+calls per bucket (allocating ``sums``); the tables are cached (Note [table cache] in
+kernels/tables.py). Nothing is read on the host.
+
+Dtypes: float16, bfloat16, float32 and float64 params and grads; the math runs in float32, and in
+float64 for float64 params (hyper-parameters travel as float64 kernel arguments).
+
+Devices: CUDA tensors (compiled kernels); CPU tensors only under Triton's interpreter
+(``TRITON_INTERPRET=1`` in the environment before triton is imported), which the tests use.
+
+Note [lazy import]: importing this module does not import triton, and neither does constructing
+the backend (``fusedopt.available_backends()`` constructs every backend): triton decides
+between compiling and interpreting when its modules are first imported, so the first import
+must happen after a test has had the chance to set TRITON_INTERPRET. The kernels are imported
+on first use.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+from . import Backend
+from ..functional import Bucket
+from .._hyper import LambHyper, LarsHyper
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_NEED_INTERPRETER = ("Triton kernels need a CUDA device; CPU tensors run only under "
+                     "TRITON_INTERPRET=1 (set before importing triton)")
+
+
+def interpreter_reason() -> str | None:
+    """None if Triton kernels run in the interpreter in this process, else why not."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return _NEED_INTERPRETER
+    tl = sys.modules.get("triton.language")
+    if tl is not None:
+        from triton.runtime.interpreter import InterpretedFunction
+        if not isinstance(tl.sum, InterpretedFunction):
+            return ("TRITON_INTERPRET=1 was set after triton was imported, so its kernels compile "
+                    "for a GPU; set it before the first import of triton to run on CPU tensors")
+    return None
+
+
+class _Kernels:
+    """The kernel modules and the torch → Triton dtype map, imported on first use."""
+
+    def __init__(self):
+        import triton.language as tl
+
+        from ..kernels import lamb, lars, norms, tables
+        self.lamb, self.lars, self.norms, self.tables = lamb, lars, norms, tables
+        self.dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                      torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether the elements of ``t`` fill its storage span once (any dim order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _lr_args(lr, device) -> dict:
+    if isinstance(lr, torch.Tensor):
+        return dict(lr=0.0, lr_ptr=lr if lr.device == device else lr.to(device), LR_IS_TENSOR=True)
+    return dict(lr=lr, lr_ptr=None, LR_IS_TENSOR=False)
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def __init__(self):
+        if importlib.util.find_spec("triton") is None:
+            raise ImportError("backend='triton' needs the triton package: pip install triton")
+        self._k: _Kernels | None = None
+
+    @property
+    def k(self) -> _Kernels:
+        if self._k is None:
+            self._k = _Kernels()
+        return self._k
+
+    def unavailable_reason(self, device, param_dtype, grad_dtype):
+        for what, dt in (("param", param_dtype), ("grad", grad_dtype)):
+            if dt not in _FLOAT_DTYPES:
+                return (f"the Triton kernels support float16, bfloat16, float32 and float64, not "
+                        f"{what} dtype {dt}")
+        if device.type == "cuda":
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                return ("TRITON_INTERPRET=1 runs Triton kernels on the host, which cannot follow "
+                        "the pointer tables into CUDA memory; unset it to compile for the GPU")
+            return None
+        if device.type == "cpu":
+            return interpreter_reason()
+        return f"Triton kernels need a CUDA device, not {device.type}"
+
+    # -------------------------------------------------------------- shared
+    def _structure(self, b: Bucket, table, found_inf) -> dict:
+        """Table arguments and constexpr switches common to the kernels of one launch."""
+        t = self.k.tables
+        return dict(
+            records=table.records, owner=table.owner, found_inf=found_inf,
+            P_DTYPE=self.k.dtype[b.param_dtype], CD=self.k.dtype[b.compute_dtype],
+            HAS_MASTER=b.masters is not None, HAS_FOUND_INF=found_inf is not None,
+            ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
+        )
+
+    def _pass1(self, kernel, b: Bucket, state: list, grad_mult, found_inf, **scalars) -> torch.Tensor:
+        """Launch a pass-1 kernel on every slice of the bucket; returns the ``[n, 2]`` sums."""
+        t = self.k.tables
+        cd = b.compute_dtype
+        sums = torch.empty(len(b.params), 2, dtype=cd, device=b.device)
+        slices = t.tables([b.params, b.grads, b.masters, *state, b.steps])
+        for start, stop, table in slices:
+            t.launch(kernel, table.num_programs,
+                     **self._structure(b, table, found_inf),
+                     partials=table.partials(cd), counters=table.counters, sums=sums[start:stop],
+                     grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
+                     G_DTYPE=self.k.dtype[b.grad_dtype], RBLOCK=t.REDUCE_BLOCK, **scalars)
+        b.scratch["slices"] = slices
+        return sums
+
+    def _pass2(self, kernel, b: Bucket, sums: torch.Tensor, found_inf, **args) -> None:
+        t = self.k.tables
+        sums = sums.contiguous()
+        for start, stop, table in b.scratch.pop("slices"):
+            t.launch(kernel, table.num_programs, **self._structure(b, table, found_inf),
+                     sums=sums[start:stop], **args)
+
+    def sq_norms(self, tensors):
+        tensors = list(tensors)
+        if not tensors:
+            return torch.zeros(0, dtype=torch.float32)
+        t = self.k.tables
+        out_dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+        out = torch.empty(len(tensors), dtype=out_dtype, device=tensors[0].device)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, x in enumerate(tensors):
+            by_dtype.setdefault(x.dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            group = [tensors[i] if _dense(tensors[i]) else tensors[i].contiguous() for i in idx]
+            cd = torch.float64 if dtype == torch.float64 else torch.float32
+            part = out if len(by_dtype) == 1 and cd == out_dtype else torch.empty(
+                len(group), dtype=cd, device=out.device)
+            for start, stop, table in t.tables([group]):
+                t.launch(self.k.norms.sq_norms_kernel, table.num_programs,
+                         records=table.records, owner=table.owner, partials=table.partials(cd),
+                         counters=table.counters, sums=part[start:stop],
+                         X_DTYPE=self.k.dtype[dtype], CD=self.k.dtype[cd], ALIGNED=table.aligned,
+                         CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
+                         RBLOCK=t.REDUCE_BLOCK)
+            if part is not out:
+                out[torch.tensor(idx, device=out.device)] = part.to(out_dtype)
+        return out
+
+    # ----------------------------------------------------------------- LAMB
+    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
+        return self._pass1(
+            self.k.lamb.lamb_pass1_kernel, b, [b.exp_avgs, b.exp_avg_sqs], grad_mult, found_inf,
+            beta1=h.beta1, beta2=h.beta2, beta3=h.beta3, one_minus_beta2=1.0 - h.beta2, eps=h.eps,
+            lambda_in_u=0.0 if h.decoupled else h.weight_decay, BIAS_CORRECTION=h.bias_correction,
+        )
+
+    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
+        self._pass2(
+            self.k.lamb.lamb_pass2_kernel, b, sums, found_inf,
+            beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+            lambda_in_u=0.0 if h.decoupled else h.weight_decay,
+            decoupled_wd=h.weight_decay if h.decoupled else 0.0,
+            ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi,
+            BIAS_CORRECTION=h.bias_correction, ADAPT=h.adapt, BOUNDED=h.bounded,
+            **_lr_args(h.lr, b.device),
+        )
+
+    # ----------------------------------------------------------------- LARS
+    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
+        return self._pass1(
+            self.k.lars.lars_pass1_kernel, b, [b.momentum_buffers, None], grad_mult, found_inf,
+            weight_decay=h.weight_decay, COMBINED=h.combined,
+        )
+
+    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
+        self._pass2(
+            self.k.lars.lars_pass2_kernel, b, sums, found_inf,
+            grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
+            G_DTYPE=self.k.dtype[b.grad_dtype],
+            momentum=h.momentum, one_minus_dampening=1.0 - h.dampening,
+            weight_decay=h.weight_decay, trust_coefficient=h.trust_coefficient, eps=h.eps,
+            ADAPT=h.adapt, COMBINED=h.combined, TRUST_CLIP=h.trust_clip, NESTEROV=h.nesterov,
+            LR_IN_MOMENTUM=h.lr_in_momentum,
+            **_lr_args(h.lr, b.device),
+        )
