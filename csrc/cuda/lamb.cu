@@ -20,23 +20,28 @@ template <typename T, typename W, typename G>
 struct LambPass1 {
   enum Row { kW, kG, kM, kV, kStep, kRows };
   static constexpr int N = ilp_for<T, W, G>();
+  struct Scalars {
+    LambCoef<T> c;
+    T gm;
+  };
   LambHyper h;
-  const T* grad_mult;   // 0-dim or nullptr
+  const T* grad_mult;      // 0-dim or nullptr
   const float* found_inf;  // 0-dim or nullptr
-  T* partials;          // [chunks, 2] workspace
+  T* partials;             // [chunks, 2] workspace
 
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t row) const {
     T acc[2] = {T(0), T(0)};
-    if (!step_skipped(found_inf)) {
+    if (!step_skipped(found_inf)) {  // the same for every thread of the block
+      const Scalars sc = block_broadcast<Scalars>([&] {
+        // Note [step counts]: pass 1 uses the new t; the reduction stores it after every chunk.
+        const float step = *static_cast<const float*>(t.ptrs[kStep][slot]) + 1.0f;
+        return Scalars{lamb_coef<T>(h, step), grad_mult != nullptr ? *grad_mult : T(1)};
+      });
       const W* w = chunk_ptr<const W>(t, kW, slot, begin);
       const G* g = chunk_ptr<const G>(t, kG, slot, begin);
       T* m = chunk_ptr<T>(t, kM, slot, begin);
       T* v = chunk_ptr<T>(t, kV, slot, begin);
-      // Note [step counts]: pass 1 uses the new t; the reduction stores it after every chunk ran.
-      const float step = *static_cast<const float*>(t.ptrs[kStep][slot]) + 1.0f;
-      const LambCoef<T> c = lamb_coef<T>(h, step);
-      const T gm = grad_mult != nullptr ? *grad_mult : T(1);
       for_each_group<N>(count, all_aligned(w, g, m, v), [&](int off, int n, bool vec) {
         T wr[N], gr[N], mr[N], vr[N];
         load_group(wr, w, off, n, vec);
@@ -45,8 +50,8 @@ struct LambPass1 {
         load_group(vr, v, off, n, vec);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
-          lamb_moments<T>(gr[k] * gm, mr[k], vr[k], c);
-          const T u = lamb_direction<T>(wr[k], mr[k], vr[k], c);
+          lamb_moments<T>(gr[k] * sc.gm, mr[k], vr[k], sc.c);
+          const T u = lamb_direction<T>(wr[k], mr[k], vr[k], sc.c);
           if (k < n) {
             acc[0] += wr[k] * wr[k];
             acc[1] += u * u;
@@ -66,6 +71,11 @@ struct LambPass2 {
   static constexpr bool kHasParam = !std::is_same<P, NoParam>::value;
   enum Row { kW, kM, kV, kP, kStep = kHasParam ? 4 : 3, kRows = kStep + 1 };
   static constexpr int N = kHasParam ? ilp_for<T, W, P>() : ilp_for<T, W>();
+  struct Scalars {
+    LambCoef<T> c;
+    T lr_phi;  // lr * phi
+    T decay;   // 1 - lr*lambda (decoupled) or 1
+  };
   LambHyper h;
   const T* sums;           // [n, 2] from pass 1 (possibly all-reduced)
   const float* found_inf;  // 0-dim or nullptr
@@ -73,41 +83,34 @@ struct LambPass2 {
 
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t) const {
-    if (step_skipped(found_inf)) return;
+    if (step_skipped(found_inf)) return;  // the same for every thread of the block
+    const Scalars sc = block_broadcast<Scalars>([&] {
+      const float step = *static_cast<const float*>(t.ptrs[kStep][slot]);
+      const int64_t i = t.index[slot];
+      const double lr_value = lr != nullptr ? *lr : h.lr;
+      const T phi = lamb_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], h);
+      return Scalars{lamb_coef<T>(h, step), static_cast<T>(lr_value) * phi,
+                     h.decoupled ? static_cast<T>(1.0 - lr_value * h.weight_decay) : T(1)};
+    });
     W* w = chunk_ptr<W>(t, kW, slot, begin);
     const T* m = chunk_ptr<const T>(t, kM, slot, begin);
     const T* v = chunk_ptr<const T>(t, kV, slot, begin);
-    const float step = *static_cast<const float*>(t.ptrs[kStep][slot]);
-    const LambCoef<T> c = lamb_coef<T>(h, step);
-    const int64_t i = t.index[slot];
-    const double lr_value = lr != nullptr ? *lr : h.lr;
-    const T lr_phi = static_cast<T>(lr_value) * lamb_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], h);
-    const T decay = h.decoupled ? static_cast<T>(1.0 - lr_value * h.weight_decay) : T(1);
-    if constexpr (kHasParam) {
-      P* p = chunk_ptr<P>(t, kP, slot, begin);
-      for_each_group<N>(count, all_aligned(w, m, v, p), [&](int off, int n, bool vec) {
-        T wr[N], mr[N], vr[N];
-        load_group(wr, w, off, n, vec);
-        load_group(mr, m, off, n, vec);
-        load_group(vr, v, off, n, vec);
+    P* p = nullptr;
+    if constexpr (kHasParam) p = chunk_ptr<P>(t, kP, slot, begin);
+    const bool aligned = kHasParam ? all_aligned(w, m, v, p) : all_aligned(w, m, v);
+    for_each_group<N>(count, aligned, [&](int off, int n, bool vec) {
+      T wr[N], mr[N], vr[N];
+      load_group(wr, w, off, n, vec);
+      load_group(mr, m, off, n, vec);
+      load_group(vr, v, off, n, vec);
 #pragma unroll
-        for (int k = 0; k < N; ++k)
-          wr[k] = lamb_apply<T>(wr[k], lamb_direction<T>(wr[k], mr[k], vr[k], c), lr_phi, decay);
-        store_group(w, wr, off, n, vec);
-        store_group(p, wr, off, n, vec);
-      });
-    } else {
-      for_each_group<N>(count, all_aligned(w, m, v), [&](int off, int n, bool vec) {
-        T wr[N], mr[N], vr[N];
-        load_group(wr, w, off, n, vec);
-        load_group(mr, m, off, n, vec);
-        load_group(vr, v, off, n, vec);
-#pragma unroll
-        for (int k = 0; k < N; ++k)
-          wr[k] = lamb_apply<T>(wr[k], lamb_direction<T>(wr[k], mr[k], vr[k], c), lr_phi, decay);
-        store_group(w, wr, off, n, vec);
-      });
-    }
+      for (int k = 0; k < N; ++k) {
+        const T u = lamb_direction<T>(wr[k], mr[k], vr[k], sc.c);
+        wr[k] = lamb_apply<T>(wr[k], u, sc.lr_phi, sc.decay);
+      }
+      store_group(w, wr, off, n, vec);
+      if constexpr (kHasParam) store_group(p, wr, off, n, vec);
+    });
   }
 };
 
@@ -161,8 +164,8 @@ cudaError_t launch_lamb_pass1(const BucketPtrs& b, const LambHyper& h, const Dev
                                              static_cast<double*>(partials), stream);
   }
   return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
-    return dispatch_fp32_compute(b.grad_dtype, [&](auto g_tag) {
-      using W = typename decltype(w_tag)::type;
+    using W = typename decltype(w_tag)::type;
+    return dispatch_grad<W>(b.grad_dtype, [&](auto g_tag) {
       using G = typename decltype(g_tag)::type;
       return run_pass1<float, W, G>(b, h, s, static_cast<float*>(sums),
                                     static_cast<float*>(partials), stream);

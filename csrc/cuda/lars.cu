@@ -42,7 +42,7 @@ struct LarsPass1 {
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           const T gk = gr[k] * gm;
-          const T d = combined ? gk + lambda * wr[k] : gk;
+          const T d = combined ? gk + lambda * wr[k] : gk;  // lars_apply's d before the ratio
           if (k < n) {
             acc[0] += wr[k] * wr[k];
             acc[1] += d * d;
@@ -60,6 +60,10 @@ struct LarsPass2 {
   static constexpr bool kHasParam = !std::is_same<P, NoParam>::value;
   enum Row { kW, kG, kBuf, kP, kStep = kHasParam ? 4 : 3, kRows = kStep + 1 };
   static constexpr int N = kHasParam ? ilp_for<T, W, G, P>() : ilp_for<T, W, G>();
+  struct Scalars {
+    LarsCoef<T> c;
+    T gm;
+  };
   LarsHyper h;
   const T* sums;           // [n, 2] from pass 1 (possibly all-reduced)
   const T* grad_mult;      // 0-dim or nullptr
@@ -68,17 +72,18 @@ struct LarsPass2 {
 
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t) const {
-    if (step_skipped(found_inf)) return;
+    if (step_skipped(found_inf)) return;  // the same for every thread of the block
+    const Scalars sc = block_broadcast<Scalars>([&] {
+      LarsHyper hl = h;
+      if (lr != nullptr) hl.lr = *lr;
+      const int64_t i = t.index[slot];
+      const T ratio = lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
+      const float step = *static_cast<const float*>(t.ptrs[kStep][slot]);
+      return Scalars{lars_coef<T>(hl, ratio, step), grad_mult != nullptr ? *grad_mult : T(1)};
+    });
     W* w = chunk_ptr<W>(t, kW, slot, begin);
     const G* g = chunk_ptr<const G>(t, kG, slot, begin);
     T* buf = chunk_ptr<T>(t, kBuf, slot, begin);
-    LarsHyper hl = h;
-    if (lr != nullptr) hl.lr = *lr;
-    const int64_t i = t.index[slot];
-    const T ratio = lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
-    const float step = *static_cast<const float*>(t.ptrs[kStep][slot]);
-    const LarsCoef<T> c = lars_coef<T>(hl, ratio, step);
-    const T gm = grad_mult != nullptr ? *grad_mult : T(1);
     P* p = nullptr;
     if constexpr (kHasParam) p = chunk_ptr<P>(t, kP, slot, begin);
     const bool aligned = kHasParam ? all_aligned(w, g, buf, p) : all_aligned(w, g, buf);
@@ -88,7 +93,7 @@ struct LarsPass2 {
       load_group(gr, g, off, n, vec);
       load_group(vr, buf, off, n, vec);
 #pragma unroll
-      for (int k = 0; k < N; ++k) wr[k] = lars_apply<T>(wr[k], gr[k] * gm, vr[k], c);
+      for (int k = 0; k < N; ++k) wr[k] = lars_apply<T>(wr[k], gr[k] * sc.gm, vr[k], sc.c);
       store_group(buf, vr, off, n, vec);
       store_group(w, wr, off, n, vec);
       if constexpr (kHasParam) store_group(p, wr, off, n, vec);
@@ -141,8 +146,8 @@ cudaError_t launch_lars_pass1(const BucketPtrs& b, const LarsHyper& h, const Dev
                                              static_cast<double*>(partials), stream);
   }
   return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
-    return dispatch_fp32_compute(b.grad_dtype, [&](auto g_tag) {
-      using W = typename decltype(w_tag)::type;
+    using W = typename decltype(w_tag)::type;
+    return dispatch_grad<W>(b.grad_dtype, [&](auto g_tag) {
       using G = typename decltype(g_tag)::type;
       return run_pass1<float, W, G>(b, h, s, static_cast<float*>(sums),
                                     static_cast<float*>(partials), stream);
@@ -160,8 +165,10 @@ cudaError_t launch_lars_pass2(const BucketPtrs& b, const LarsHyper& h, const Dev
   return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
     using W = typename decltype(w_tag)::type;
     return dispatch_param_out<W>(b, [&](auto p_tag) {
-      return dispatch_fp32_compute(b.grad_dtype, [&](auto g_tag) {
-        using P = typename decltype(p_tag)::type;
+      using P = typename decltype(p_tag)::type;
+      // the grads belong to the params: stored as P beside masters, else as W
+      using S = std::conditional_t<std::is_same<P, NoParam>::value, W, P>;
+      return dispatch_grad<S>(b.grad_dtype, [&](auto g_tag) {
         using G = typename decltype(g_tag)::type;
         return run_pass2<float, W, G, P>(b, h, s, static_cast<const float*>(sums), stream);
       });

@@ -24,6 +24,15 @@ constexpr int kReduceBlockSize = 256;  // threads of a per-tensor reduction bloc
 // arguments are limited to 4 KiB, which the functor's own members share.
 constexpr int kTableBytes = 3584;
 
+// Tables are read in place from the kernel argument space, also at dynamic indices;
+// __grid_constant__ (CUDA 11.7+, sm_70+) guarantees that no local copy is made.
+#if (__CUDACC_VER_MAJOR__ > 11 || (__CUDACC_VER_MAJOR__ == 11 && __CUDACC_VER_MINOR__ >= 7)) && \
+    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700)
+#define FUSEDOPT_GRID_CONSTANT __grid_constant__
+#else
+#define FUSEDOPT_GRID_CONSTANT
+#endif
+
 static_assert(kChunkSize % 16 == 0, "chunks start 16-byte aligned in a 16-byte aligned tensor");
 
 // ------------------------------------------------------------------------------------ tables
@@ -86,12 +95,10 @@ cudaError_t for_each_table(int64_t n, const int64_t* numel, void* const* const (
 
 // ---------------------------------------------------------------------------------- kernels
 
-// One block per chunk: finds its tensor (the last slot whose first block is <= blockIdx.x; 0-size
-// tensors own no block so they are never found) and hands the chunk to the functor.
-template <int kRows, typename Op>
-__global__ void __launch_bounds__(kBlockSize)
-    chunk_kernel(const __grid_constant__ TensorTable<kRows> table, const Op op) {
-  const int32_t b = static_cast<int32_t>(blockIdx.x);
+// The slot of the tensor that block b belongs to: the last slot whose first block is <= b (0-size
+// tensors own no block, so they are never found).
+template <int kRows>
+__host__ __device__ __forceinline__ int slot_of_block(const TensorTable<kRows>& table, int32_t b) {
   int lo = 0;
   int hi = table.n - 1;
   while (lo < hi) {
@@ -102,10 +109,19 @@ __global__ void __launch_bounds__(kBlockSize)
       hi = mid - 1;
     }
   }
-  const int64_t begin = static_cast<int64_t>(b - table.block_start[lo]) * kChunkSize;
-  const int64_t left = table.numel[lo] - begin;
+  return lo;
+}
+
+// One block per chunk: hands chunk (b - block_start[slot]) of its tensor to the functor.
+template <int kRows, typename Op>
+__global__ void __launch_bounds__(kBlockSize)
+    chunk_kernel(const FUSEDOPT_GRID_CONSTANT TensorTable<kRows> table, const Op op) {
+  const int32_t b = static_cast<int32_t>(blockIdx.x);
+  const int slot = slot_of_block(table, b);
+  const int64_t begin = static_cast<int64_t>(b - table.block_start[slot]) * kChunkSize;
+  const int64_t left = table.numel[slot] - begin;
   const int count = static_cast<int>(left < kChunkSize ? left : kChunkSize);
-  op(table, lo, begin, count, table.partial_base + b);
+  op(table, slot, begin, count, table.partial_base + b);
 }
 
 // Sums of the K values of every thread, in a fixed order (warp shuffles, then the warps' sums in
@@ -133,6 +149,17 @@ __device__ __forceinline__ void block_sum(T (&v)[K]) {
   }
 }
 
+// Note [per-tensor scalars]: the per-tensor values of a chunk (bias corrections, which take a
+// pow in double, trust ratios, grad_mult) are computed once per block by thread 0 and handed to
+// the other threads through shared memory. Every thread of the block calls this once per kernel.
+template <typename V, typename F>
+__device__ __forceinline__ V block_broadcast(const F& f) {
+  __shared__ V value;
+  if (threadIdx.x == 0) value = f();
+  __syncthreads();
+  return value;
+}
+
 // Writes the block's K partial sums to its workspace row.
 template <int K, typename T>
 __device__ __forceinline__ void write_partials(T (&acc)[K], T* partials, int64_t row) {
@@ -154,7 +181,7 @@ __device__ __forceinline__ bool step_skipped(const float* found_inf) {
 // so the single increment here is race-free.
 template <int K, int kStepRow, typename T, int kRows>
 __global__ void __launch_bounds__(kReduceBlockSize)
-    reduce_kernel(const __grid_constant__ TensorTable<kRows> table,
+    reduce_kernel(const FUSEDOPT_GRID_CONSTANT TensorTable<kRows> table,
                   const T* __restrict__ partials,  // [rows, K] chunk partial sums
                   T* __restrict__ sums,            // [n, K] per-tensor sums, by bucket index
                   const float* found_inf) {        // nullptr or 0-dim float32
@@ -239,7 +266,7 @@ __device__ __forceinline__ __nv_bfloat16 to_storage<__nv_bfloat16, float>(float 
   return __float2bfloat16_rn(x);
 }
 
-// Note [vectorization]: a thread handles groups of kILP consecutive elements, kILP chosen so that
+// Note [vectorization]: a thread handles groups of N consecutive elements, N (ilp_for) chosen so that
 // the narrowest array of the functor moves exactly 16 bytes per group (fp32: 4 elements, with a
 // bf16/fp16 array: 8, fp64: 2); wider arrays move 2 or 4 16-byte vectors. When every pointer of
 // the chunk is 16-byte aligned, full groups use 16-byte loads/stores; otherwise, and for the last
@@ -334,6 +361,27 @@ cudaError_t dispatch_fp32_compute(DType d, const F& f) {
     case DType::kFloat16: return f(Tag<__half>{});
     case DType::kBFloat16: return f(Tag<__nv_bfloat16>{});
     default: return cudaErrorNotSupported;
+  }
+}
+
+template <typename S>
+constexpr DType dtype_of() {
+  return std::is_same<S, __half>::value           ? DType::kFloat16
+         : std::is_same<S, __nv_bfloat16>::value ? DType::kBFloat16
+         : std::is_same<S, double>::value        ? DType::kFloat64
+                                                 : DType::kFloat32;
+}
+
+// Calls f(Tag<G>{}) with G the type of the gradients of params stored as S: float32 params take
+// float32, bfloat16 or float16 grads; bfloat16/float16 params take their own dtype or float32.
+template <typename S, typename F>
+cudaError_t dispatch_grad(DType d, const F& f) {
+  if constexpr (std::is_same<S, float>::value) {
+    return dispatch_fp32_compute(d, f);
+  } else {
+    if (d == DType::kFloat32) return f(Tag<float>{});
+    if (d == dtype_of<S>()) return f(Tag<S>{});
+    return cudaErrorNotSupported;
   }
 }
 

@@ -76,9 +76,11 @@ class CudaBackend(Backend):
         if param_dtype not in _LOW:
             return (f"the cuda backend has no kernel for param dtype {param_dtype} "
                     "(float32, bfloat16, float16 and float64 are supported)")
-        if grad_dtype not in _LOW:
+        if grad_dtype not in _LOW or (param_dtype != torch.float32
+                                      and grad_dtype not in (param_dtype, torch.float32)):
             return (f"the cuda backend has no kernel for grad dtype {grad_dtype} with param dtype "
-                    f"{param_dtype} (grads of float32, bfloat16 or float16 are supported)")
+                    f"{param_dtype} (float32 params take float32, bfloat16 or float16 grads; "
+                    "bfloat16/float16 params take grads of their own dtype or float32)")
         return None
 
     def sq_norms(self, tensors):
