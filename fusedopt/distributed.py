@@ -92,26 +92,34 @@ class _Layout:
         )
 
 
+_PLAIN = _Layout(None, (), None)
+# (mesh, placements) -> _Layout; a step's params share a few of these (meshes live for the run)
+_LAYOUTS: dict[tuple, _Layout] = {}
+
+
 def _layout(p: torch.Tensor, dtensor_type) -> _Layout:
     if dtensor_type is None or not isinstance(p, dtensor_type):
-        return _Layout(None, (), None)
-    mesh, placements = p.device_mesh, tuple(p.placements)
+        return _PLAIN
+    mesh, placements = p.device_mesh, p.placements
     g = p.grad
-    if not isinstance(g, dtensor_type) or g.device_mesh != mesh or tuple(g.placements) != placements:
-        got = (tuple(g.placements), g.device_mesh) if isinstance(g, dtensor_type) else type(g).__name__
+    if not isinstance(g, dtensor_type) or g.placements != placements or g.device_mesh != mesh:
+        got = (g.placements, g.device_mesh) if isinstance(g, dtensor_type) else type(g).__name__
         raise RuntimeError(
             f"the grad of a DTensor param must be a DTensor with the same mesh and placements; param "
             f"of shape {tuple(p.shape)} has placements {placements} on {mesh}, its grad: {got}"
         )
-    for pl in placements:
-        if pl.is_partial():
+    key = (mesh, placements)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        if any(pl.is_partial() for pl in placements):
             raise RuntimeError(
                 f"Partial placements are not supported by fusedopt's sharded norms (param of shape "
                 f"{tuple(p.shape)}, placements {placements}); redistribute to Shard or Replicate"
             )
-    shard_dims = tuple(d for d, pl in enumerate(placements) if pl.is_shard())
-    coord = mesh.get_coordinate()
-    return _Layout(mesh, shard_dims, None if coord is None else tuple(coord))
+        shard_dims = tuple(d for d, pl in enumerate(placements) if pl.is_shard())
+        coord = mesh.get_coordinate()
+        lay = _LAYOUTS[key] = _Layout(mesh, shard_dims, None if coord is None else tuple(coord))
+    return lay
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -181,60 +189,71 @@ def _flat_group(mesh, dims: tuple[int, ...]) -> list:
 class ShardedNormReducer:
     """:class:`~fusedopt.functional.SqSumReducer` for steps with DTensor params (see module doc).
 
-    Built per step by :func:`reducer_for` from the optimizer's buckets; ``bucket_params`` maps
-    ``id(bucket)`` to the params of its rows (DTensors, in row order) and ``param_groups`` gives each
-    param's group (its backend computes the per-tensor sums that must not be counted twice).
+    Built per step by :func:`reducer_for`: ``bucket_params`` maps ``id(bucket)`` to the params of
+    its rows (DTensors, in row order), ``param_groups`` gives each param's group (whose backend
+    recomputes the few per-tensor sums that must not be counted twice in the clipping total).
     """
 
     def __init__(self, bucket_params: dict[int, list[torch.Tensor]], param_groups, dtensor_type):
-        self._bucket_params = bucket_params
-        self._layouts: dict[int, _Layout] = {}
-        self._group_of: dict[int, dict] = {}
-        for group in param_groups:
-            for p in group["params"]:
-                self._group_of[id(p)] = group
+        layouts = {id(p): _layout(p, dtensor_type)
+                   for params in bucket_params.values() for p in params}
+        distinct = {id(lay): lay for lay in layouts.values()}  # memoized: few distinct objects
         meshes: dict[Any, set[int]] = {}  # sharded meshes in first-use order -> union of shard dims
-        for params in bucket_params.values():
-            for p in params:
-                lay = _layout(p, dtensor_type)
-                self._layouts[id(p)] = lay
-                if lay.shard_dims and lay.coord is not None:
-                    meshes.setdefault(lay.mesh, set()).update(lay.shard_dims)
+        for lay in distinct.values():
+            if lay.shard_dims and lay.coord is not None:
+                meshes.setdefault(lay.mesh, set()).update(lay.shard_dims)
         self._mesh_dims = {m: tuple(sorted(d)) for m, d in meshes.items()}
-        # Global clipping: one group for the total. With one sharded mesh, the dims along which
-        # the step's tensors are sharded; otherwise the default group.
+
+        # Trust sums: per bucket, per sharded mesh, the rows reduced over it and whether this rank
+        # contributes each (count once); rows of complete tensors are not communicated.
+        self._rows: dict[int, tuple[int, dict[Any, tuple[list[int], list[bool]]]]] = {}
+        primary = {i: lay.primary(self._mesh_dims[lay.mesh]) for i, lay in distinct.items()
+                   if lay.shard_dims and lay.coord is not None}
+        for bid, params in bucket_params.items():
+            per_mesh: dict[Any, tuple[list[int], list[bool]]] = {}
+            for j, p in enumerate(params):
+                lay = layouts[id(p)]
+                if lay.shard_dims and lay.coord is not None:
+                    idx, keep = per_mesh.setdefault(lay.mesh, ([], []))
+                    idx.append(j)
+                    keep.append(primary[id(lay)])
+            self._rows[bid] = (len(params), per_mesh)
+
+        # Clipping total: one all-reduce. With one sharded mesh, over the dims along which the
+        # step's tensors are sharded; with several, over the default group.
         if len(self._mesh_dims) == 1:
             (mesh, dims), = self._mesh_dims.items()
             self._grad_group = (mesh, dims)
-            base = _Layout(mesh, (), tuple(mesh.get_coordinate()))
+            on_mesh = _Layout(mesh, (), tuple(mesh.get_coordinate()))
 
-            def counts(lay: _Layout) -> bool:
-                return (lay if lay.mesh == mesh else base).primary(dims)
+            def counted(lay: _Layout) -> bool:
+                return (lay if lay.mesh == mesh else on_mesh).primary(dims)
         else:
             self._grad_group = (None, ())
             world_first = dist.get_rank() == 0
 
-            def counts(lay: _Layout) -> bool:
-                if lay.mesh is None:
-                    return world_first
-                return lay.primary(range(lay.mesh.ndim))
-        self._uncounted = [p for params in bucket_params.values() for p in params
-                           if not counts(self._layouts[id(p)])]
+            def counted(lay: _Layout) -> bool:
+                return world_first if lay.mesh is None else lay.primary(range(lay.mesh.ndim))
+        is_counted = {i: counted(lay) for i, lay in distinct.items()}
+        uncounted = [p for params in bucket_params.values() for p in params
+                     if not is_counted[id(layouts[id(p)])]]
+        group_of = {id(p): g for g in param_groups for p in g["params"]} if uncounted else {}
+        self._uncounted = [(p, group_of[id(p)]) for p in uncounted]
 
     def reduce_grad_sq(self, total: torch.Tensor) -> None:
         """``total`` (0-dim float64, the local ``Σ‖g‖²``) becomes the sum over all ranks."""
         if self._uncounted:
-            total.sub_(self._local_grad_sq(self._uncounted).to(total.device))
+            total.sub_(self._local_grad_sq().to(total.device))
         mesh, dims = self._grad_group
         _all_reduce(total, mesh, dims)
 
-    def _local_grad_sq(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """Σ‖g‖² of these params' local grads, per tensor by the backend of their bucket (the values
-        that went into the total, so that subtracting them cancels exactly)."""
+    def _local_grad_sq(self) -> torch.Tensor:
+        """Σ‖g‖² of the local grads that this rank must not count, each by the backend of its
+        bucket (the values that went into the total, so that subtracting them cancels)."""
         parts = []
-        for p in params:
+        for p, group in self._uncounted:
             lp, lg = _local(p), _local(p.grad)
-            be = _backends.resolve(self._group_of[id(p)]["backend"], lp.device, lp.dtype, lg.dtype)
+            be = _backends.resolve(group["backend"], lp.device, lp.dtype, lg.dtype)
             parts.append(be.sq_norms([lg]).to(torch.float64).sum())
         dev = parts[0].device
         return torch.stack([x.to(dev) for x in parts]).sum()
@@ -244,53 +263,46 @@ class ShardedNormReducer:
         sharded mesh."""
         per_mesh: dict[Any, list[tuple[int, list[int], list[bool]]]] = {m: [] for m in self._mesh_dims}
         for k, b in enumerate(buckets):
-            params = self._bucket_params.get(id(b))
-            if params is None or len(params) != sums[k].shape[0]:
+            n, rows = self._rows.get(id(b), (None, None))
+            if n != sums[k].shape[0]:
                 raise RuntimeError(
-                    "fusedopt: the rows of a bucket do not match its params; the optimizer must "
-                    "record them in _build_plan (bucket_params)"
+                    "fusedopt.distributed: the rows of a bucket do not match the params recorded "
+                    "for it by the optimizer (_bucket_params)"
                 )
-            rows: dict[Any, tuple[list[int], list[bool]]] = {}
-            for j, p in enumerate(params):
-                lay = self._layouts[id(p)]
-                if lay.mesh not in self._mesh_dims:
-                    continue  # complete values: plain, replicated or on a mesh without this rank
-                idx, keep = rows.setdefault(lay.mesh, ([], []))
-                idx.append(j)
-                keep.append(lay.primary(self._mesh_dims[lay.mesh]))
             for mesh, (idx, keep) in rows.items():
                 per_mesh[mesh].append((k, idx, keep))
         for mesh, selections in per_mesh.items():
             if selections:
-                self._reduce_rows(sums, selections, mesh, self._mesh_dims[mesh])
+                _reduce_rows(sums, selections, mesh, self._mesh_dims[mesh])
 
-    @staticmethod
-    def _reduce_rows(sums, selections, mesh, dims) -> None:
-        dtype = torch.float64 if any(sums[k].dtype == torch.float64 for k, _, _ in selections) \
-            else torch.float32
-        dev = sums[selections[0][0]].device
-        parts, index = [], []
-        for k, idx, keep in selections:
-            s = sums[k]
-            whole = len(idx) == s.shape[0]
-            ix = None if whole else torch.tensor(idx, device=s.device)
-            part = (s if whole else s.index_select(0, ix)).to(dev, dtype)
-            if not all(keep):
-                part = part * torch.tensor(keep, dtype=dtype, device=dev).unsqueeze(1)
-            parts.append(part)
-            index.append((k, ix))
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        _all_reduce(flat, mesh, dims)
-        offset = 0
-        for k, ix in index:
-            s = sums[k]
-            n = s.shape[0] if ix is None else ix.numel()
-            out = flat[offset:offset + n].to(s.device, s.dtype)
-            offset += n
-            if ix is None:
-                s.copy_(out)
-            else:
-                s.index_copy_(0, ix, out)
+
+def _reduce_rows(sums, selections, mesh, dims) -> None:
+    """Stack the selected rows of several ``sums`` tensors (zeroing those this rank does not
+    count), all-reduce them once, and write the totals back in place."""
+    dtype = torch.float64 if any(sums[k].dtype == torch.float64 for k, _, _ in selections) \
+        else torch.float32
+    dev = sums[selections[0][0]].device
+    parts, index = [], []
+    for k, idx, keep in selections:
+        s = sums[k]
+        ix = None if len(idx) == s.shape[0] else torch.tensor(idx, device=s.device)
+        part = (s if ix is None else s.index_select(0, ix)).to(dev, dtype)
+        if not all(keep):
+            part = part * torch.tensor(keep, dtype=dtype, device=dev).unsqueeze(1)
+        parts.append(part)
+        index.append((k, ix))
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    _all_reduce(flat, mesh, dims)
+    offset = 0
+    for k, ix in index:
+        s = sums[k]
+        n = s.shape[0] if ix is None else ix.numel()
+        out = flat[offset:offset + n].to(s.device, s.dtype)
+        offset += n
+        if ix is None:
+            s.copy_(out)
+        else:
+            s.index_copy_(0, ix, out)
 
 
 class _ZeroGradSqReducer:

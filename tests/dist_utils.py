@@ -128,6 +128,13 @@ def groups(model, exclude: bool):
             {"params": [p for p in ps if p.ndim <= 1], "weight_decay": 0.0, "adapt": False}]
 
 
+def cached(ctx: dict, key: str, make):
+    """A mesh created once per job (creating one is a collective: every rank, same order)."""
+    if key not in ctx:
+        ctx[key] = make()
+    return ctx[key]
+
+
 def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     """Largest per-tensor ``max|got - ref| / max|ref|``."""
     worst = 0.0
@@ -207,8 +214,15 @@ def scenario_clip_sensitivity(ctx, backend: str):
 
 
 def scenario_fsdp2_state_dict(ctx, backend: str):
-    """A state_dict taken mid-run (DTensor state) loads into a new optimizer and continues
-    bit-for-bit."""
+    """A state_dict taken mid-run (DTensor state), by ``Optimizer.state_dict()`` or by
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, loads into a new optimizer
+    that continues bit-for-bit."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
     kind, kw, exclude = OPT_CASES["lamb_clip"]
     rank = ctx["rank"]
     model = fsdp2_model(ctx["mesh"])
@@ -220,23 +234,36 @@ def scenario_fsdp2_state_dict(ctx, backend: str):
             o.zero_grad()
             loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
             o.step()
+        return [p.to_local().clone() for p in model.parameters()]
+
+    def restore(params):
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), params):
+                p.to_local().copy_(v)
 
     train(opt, range(2))
     saved_params = [p.to_local().clone() for p in model.parameters()]
     saved_state = copy.deepcopy(opt.state_dict())
-    train(opt, range(2, 4))
-    a = [p.to_local().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p, v in zip(model.parameters(), saved_params):
-            p.to_local().copy_(v)
+    dcp_state = copy.deepcopy(get_optimizer_state_dict(model, opt))
+    full_state = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    a = train(opt, range(2, 4))
+    restore(saved_params)
     opt2 = make_opt(kind, groups(model, exclude), kw, backend)
     opt2.load_state_dict(saved_state)
     st = opt2.state[next(iter(model.parameters()))]
-    train(opt2, range(2, 4))
-    b = [p.to_local() for p in model.parameters()]
+    loaded = (type(st["exp_avg"]).__name__, str(tuple(st["exp_avg"].placements)))
+    b = train(opt2, range(2, 4))
+    restore(saved_params)
+    opt3 = make_opt(kind, groups(model, exclude), kw, backend)
+    set_optimizer_state_dict(model, opt3, dcp_state)
+    c = train(opt3, range(2, 4))
+    # full_state_dict with cpu_offload: rank 0 holds the gathered state, the other ranks nothing
+    first = next(iter(full_state["state"].values())) if rank == 0 else None
     return dict(bitwise=all(torch.equal(x, y) for x, y in zip(a, b)),
-                loaded_exp_avg=type(st["exp_avg"]).__name__,
-                loaded_placements=str(tuple(st["exp_avg"].placements)))
+                bitwise_dcp=all(torch.equal(x, y) for x, y in zip(a, c)),
+                loaded_exp_avg=loaded[0], loaded_placements=loaded[1],
+                full_exp_avg_shape=list(first["exp_avg"].shape) if rank == 0 else None)
 
 
 def _manual_run(ctx, specs, kind, kw, backend, steps=3):
@@ -332,7 +359,8 @@ def scenario_mesh_2d(ctx, backend: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh = ctx.setdefault("mesh2d", init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard")))
+    mesh = cached(ctx, "mesh2d",
+                  lambda: init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard")))
     specs = [((5, 3), mesh, [Replicate(), Shard(0)]), ((5, 2), mesh, [Shard(0), Replicate()]),
              ((4,), mesh, [Replicate(), Replicate()]), ((2,), None, None)]
     err, counts = _manual_run(ctx, specs, "lamb", OPT_CASES["lamb_clip"][1], backend)
@@ -347,7 +375,7 @@ def scenario_two_meshes(ctx, backend: str):
 
     mesh = ctx["mesh"]
     # a second mesh object over the same ranks (DTensor itself mishandles permuted rank orders)
-    other = ctx.setdefault("mesh_b", DeviceMesh("cpu", torch.arange(WORLD), mesh_dim_names=("b",)))
+    other = cached(ctx, "mesh_b", lambda: DeviceMesh("cpu", torch.arange(WORLD), mesh_dim_names=("b",)))
     if other == mesh:
         raise RuntimeError("the two meshes compare equal; the scenario needs distinct meshes")
     specs = [((5, 3), mesh, [Shard(0)]), ((3, 3), other, [Shard(0)]), ((4,), other, [Replicate()]),
@@ -356,16 +384,52 @@ def scenario_two_meshes(ctx, backend: str):
     return dict(err=err, collectives=counts, **_check_sums(ctx, specs, backend))
 
 
+def scenario_errors(ctx, backend: str):
+    """Refused inputs raise before anything is modified: a Partial param, a grad whose placements
+    differ from its param's. Returns the messages and whether the params stayed unchanged."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = ctx["mesh"]
+    other = cached(ctx, "mesh_b", lambda: DeviceMesh("cpu", torch.arange(WORLD), mesh_dim_names=("b",)))
+    out = {}
+    cases = {
+        "partial": (lambda t: DTensor.from_local(t, mesh, [Partial()], run_check=False),
+                    lambda t: DTensor.from_local(t, mesh, [Partial()], run_check=False)),
+        "grad_mesh": (lambda t: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None),
+                      lambda t: distribute_tensor(t, other, [Shard(0)], src_data_rank=None)),
+        "grad_placements": (lambda t: distribute_tensor(t, mesh, [Replicate()], src_data_rank=None),
+                            lambda t: DTensor.from_local(t, mesh, [Partial()], run_check=False)),
+    }
+    for name, (make_p, make_g) in cases.items():
+        sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)],
+                                                       src_data_rank=None))
+        sharded.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)], src_data_rank=None)
+        p = torch.nn.Parameter(make_p(torch.ones(4, 3)))
+        p.grad = make_g(torch.ones(4, 3))  # local shapes agree: only the placements differ
+        opt = make_opt("lamb", [sharded, p], dict(lr=0.1), backend)
+        before = [sharded.to_local().clone(), p.to_local().clone()]
+        try:
+            opt.step()
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = str(e)
+        out[name + "_unchanged"] = (torch.equal(before[0], sharded.to_local())
+                                    and torch.equal(before[1], p.to_local()))
+    return out
+
+
 def scenario_flat_group(ctx):
     """The flattened-sub-mesh path of the all-reduce over several mesh dims (not reached by a
     2-rank mesh, where the default group is used instead)."""
-    from fusedopt.distributed import _flat_group
-
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = ctx.setdefault("mesh2d", init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard")))
-    import torch.distributed as dist
+    from fusedopt.distributed import _flat_group
 
+    mesh = cached(ctx, "mesh2d",
+                  lambda: init_device_mesh("cpu", (2, 1), mesh_dim_names=("rep", "shard")))
     t = torch.tensor([float(ctx["rank"] + 1)])
     for g in _flat_group(mesh, (0, 1)):
         dist.all_reduce(t, group=g)
@@ -436,7 +500,7 @@ def scenario_ddp_accumulate(ctx, backend: str, k: int = 3):
         loss_fn(ref_model, x, y).backward()
         ref_opt.step()
     return dict(err=rel_err(list(model.module.parameters()), list(ref_model.parameters())),
-                acc_counts=acc_counts[1:], sync_count=sync_count)
+                acc_counts=acc_counts, sync_count=sync_count)
 
 
 def scenario_fsdp2_accumulate(ctx, backend: str, k: int = 2):
@@ -474,6 +538,7 @@ def scenarios(backends: list[str]):
         for name in ("lamb", "lamb_clip", "lars"):
             out.append((f"zero-{be}-{name}", scenario_zero, (name, be)))
         out.append((f"zero_unsynced_clip-{be}", scenario_zero, ("lamb_clip", be, False)))
+        out.append((f"errors-{be}", scenario_errors, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))
     out.append(("flat_group", scenario_flat_group, ()))

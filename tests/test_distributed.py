@@ -1,0 +1,265 @@
+"""Distributed training (issue 7): FSDP2-sharded norms, ZeRO, DDP/FSDP2 gradient accumulation.
+
+One job of 2 gloo processes on CPU (tests/dist_utils.py) runs every scenario once per module; the
+tests below read its per-rank results. Each distributed run is compared with one process training
+the same model on the same global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedopt
+import dist_utils
+from dist_utils import ALLREDUCE_PER_STEP, BACKENDS, OPT_CASES
+from fusedopt.distributed import accumulate, enable_zero_global_clipping, reducer_for
+
+REL = 1e-5  # the distributed result vs one process, per tensor max|Δ| / max|ref|
+
+needs_gloo = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with the gloo backend is not available in this build",
+)
+
+
+def _backends():
+    out = []
+    for be in BACKENDS:
+        reason = (f"backend {be!r} is not available here "
+                  f"(fusedopt.available_backends() = {fusedopt.available_backends()})")
+        out.append(pytest.param(be, id=be, marks=pytest.mark.skipif(
+            be not in fusedopt.available_backends(), reason=reason)))
+    return out
+
+
+BACKEND_PARAMS = _backends()
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    backends = [b for b in BACKENDS if b in fusedopt.available_backends()]
+    return dist_utils.run_job(str(tmp_path_factory.mktemp("dist")), backends)
+
+
+def results(job, name: str) -> list[dict]:
+    """The scenario's result on every rank; fails with the worker's traceback if it raised."""
+    out = []
+    for rank, per_rank in enumerate(job):
+        if name not in per_rank:
+            pytest.fail(f"scenario {name} did not run on rank {rank}")
+        res = per_rank[name]
+        if not res["ok"]:
+            pytest.fail(f"scenario {name} failed on rank {rank}:\n{res['error']}")
+        out.append(res)
+    return out
+
+
+# ------------------------------------------------------------------------------------ FSDP2
+@needs_gloo
+@pytest.mark.parametrize("case", list(OPT_CASES))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp2_matches_one_process(job, backend, case):
+    per_rank = results(job, f"fsdp2-{backend}-{case}")
+    for rank, res in enumerate(per_rank):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert res["placements"] == ["(Shard(dim=0),)"]
+        assert res["state_types"] == ["DTensor"], "optimizer state should be sharded like the params"
+    # uneven shards (dim 0 of 5 and 7) and empty local shards ([1, 7] and [1] on rank 1)
+    n0, n1 = per_rank[0]["local_numels"], per_rank[1]["local_numels"]
+    assert n0[0] != n1[0] and n1[-2:] == [0, 0]
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", list(OPT_CASES))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp2_collectives_per_step(job, backend, case):
+    """LARS and LAMB: one all-reduce per step; with max_grad_norm one more (the clipping total is
+    needed before pass 1). Nothing else: no gather of any parameter, no per-tensor collective."""
+    expected = {"gloo:all_reduce": ALLREDUCE_PER_STEP[case]}
+    for rank, res in enumerate(results(job, f"fsdp2-{backend}-{case}")):
+        for step, counts in enumerate(res["collectives"]):
+            assert counts == expected, f"rank {rank}, step {step}: {counts}"
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_clipping_cases_are_sensitive(job, backend):
+    """A global norm off by sqrt(2) (one rank's half of the gradient forgotten) moves the
+    one-process result far more than REL: the clipping equivalence tests would see that bug."""
+    for res in results(job, f"clip_sensitivity-{backend}"):
+        assert res["lamb_clip"] > 1e3 * REL and res["lars_clip"] > 1e3 * REL, res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp2_state_dict_roundtrip(job, backend):
+    """Optimizer.state_dict() and torch.distributed.checkpoint's get/set_optimizer_state_dict."""
+    per_rank = results(job, f"fsdp2_state_dict-{backend}")
+    for res in per_rank:
+        assert res["bitwise"], "a reloaded optimizer should continue bit-for-bit"
+        assert res["bitwise_dcp"], "a state set by set_optimizer_state_dict should continue bit-for-bit"
+        assert res["loaded_exp_avg"] == "DTensor"
+        assert res["loaded_placements"] == "(Shard(dim=0),)"
+    assert per_rank[0]["full_exp_avg_shape"] == [5, 6], "full_state_dict gathers the whole tensor"
+
+
+# ------------------------------------------------------------------------ mixed placements
+@needs_gloo
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_mixed_shard_replicate_plain(job, backend, kind):
+    """Shard(0) uneven/empty, Shard(1), Replicate and a plain tensor in one step (with clipping):
+    replicated values are counted once in every sum, 2 all-reduces per step."""
+    for rank, res in enumerate(results(job, f"mixed_placements-{backend}-{kind}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert res["sums_err"] <= REL and res["total_err"] <= REL, res
+        assert all(c == {"gloo:all_reduce": 2} for c in res["collectives"]), res["collectives"]
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_2d_mesh_mixed_placements(job, backend):
+    """(Replicate, Shard(0)), (Shard(0), Replicate) and replicated tensors on a 2-D mesh."""
+    for rank, res in enumerate(results(job, f"mesh_2d-{backend}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert res["sums_err"] <= REL and res["total_err"] <= REL, res
+        assert all(c == {"gloo:all_reduce": 2} for c in res["collectives"]), res["collectives"]
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_two_meshes(job, backend):
+    """Params on two meshes: one trust-sum all-reduce per mesh, plus the clipping total."""
+    for rank, res in enumerate(results(job, f"two_meshes-{backend}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert res["sums_err"] <= REL and res["total_err"] <= REL, res
+        assert all(c == {"gloo:all_reduce": 3} for c in res["collectives"]), res["collectives"]
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_refused_layouts(job, backend):
+    """Partial placements and grads laid out unlike their params raise, params untouched."""
+    expected = {
+        "partial": r"Partial placements are not supported .*\(Partial\(sum\),\)",
+        "grad_mesh": r"grad of a DTensor param must be a DTensor with the same mesh and placements",
+        "grad_placements": r"same mesh and placements; .*Replicate.*its grad: .*Partial",
+    }
+    for res in results(job, f"errors-{backend}"):
+        for case, pattern in expected.items():
+            assert res[case] is not None and re.search(pattern, res[case]), (case, res[case])
+            assert res[case + "_unchanged"], case
+
+
+@needs_gloo
+def test_flattened_mesh_group(job):
+    for res in results(job, "flat_group"):
+        assert res["value"] == 3.0
+
+
+# ------------------------------------------------------------------------------------ ZeRO
+@needs_gloo
+@pytest.mark.parametrize("case", ["lamb", "lamb_clip", "lars"])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_zero_redundancy_optimizer(job, backend, case):
+    clip = OPT_CASES[case][1].get("max_grad_norm") is not None
+    for rank, res in enumerate(results(job, f"zero-{backend}-{case}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert 0 < res["owned"] < res["total"], "each rank should own a part of the params"
+        # ZeRO's own broadcasts of the updated params, plus the clipping total when enabled
+        for counts in res["collectives"]:
+            assert counts.get("gloo:all_reduce", 0) == (1 if clip else 0), counts
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_zero_clipping_without_enable_is_per_rank(job, backend):
+    """Documented pitfall: without enable_zero_global_clipping each rank clips by the norm of
+    the gradients it owns, which is not the global norm."""
+    for res in results(job, f"zero_unsynced_clip-{backend}"):
+        assert res["err"] > 1e3 * REL
+
+
+# ---------------------------------------------------------------------------- accumulation
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_ddp_accumulate(job, backend):
+    """3 micro-batches per rank with loss / 3 == one batch of 12; DDP all-reduces only once."""
+    for rank, res in enumerate(results(job, f"ddp_accumulate-{backend}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert res["sync_count"] >= 1
+        assert all(c == res["sync_count"] for c in res["acc_counts"]), res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp2_accumulate(job, backend):
+    for rank, res in enumerate(results(job, f"fsdp2_accumulate-{backend}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+
+
+class _FakeDDP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+
+class _FakeFSDP2(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sync = True
+
+    def set_requires_gradient_sync(self, flag):
+        self.sync = flag
+
+
+@pytest.mark.parametrize("model_cls", [_FakeDDP, _FakeFSDP2],
+                         ids=["no_sync", "set_requires_gradient_sync"])
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_accumulate_syncs_last_micro_batch_only(model_cls, n):
+    model = model_cls()
+    seen = [(x, model.sync) for x in accumulate(model, (i for i in range(n)))]  # a generator
+    assert seen == [(i, i == n - 1) for i in range(n)]
+    assert model.sync
+
+
+def test_accumulate_restores_sync_on_break():
+    model = _FakeDDP()
+    for _ in accumulate(model, range(3)):
+        assert not model.sync
+        break
+    assert model.sync
+
+
+def test_accumulate_plain_module():
+    assert list(accumulate(torch.nn.Linear(2, 2), [1, 2])) == [1, 2]
+
+
+# ------------------------------------------------------------------------------ local checks
+def test_no_reducer_without_sharded_params():
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    opt = fusedopt.FusedLAMB([p], backend="eager")
+    opt.step()
+    assert reducer_for(opt) is None
+
+
+def test_enable_zero_global_clipping_errors():
+    with pytest.raises(RuntimeError, match="overlap_with_ddp"):
+        enable_zero_global_clipping(object())
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(TypeError, match="FusedLAMB or FusedLARS"):
+        enable_zero_global_clipping(types.SimpleNamespace(optim=sgd, process_group=None))
