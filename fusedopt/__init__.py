@@ -1,11 +1,15 @@
 """fusedopt: fused LAMB and LARS optimizers for large-batch training."""
 from .backends import available_backends
 from .groups import name_patterns, one_dimensional, param_groups
+from .noise_scale import DDPGradientNoiseScale, GradientAccumulationNoiseScale, GradientNoiseScale
 from .optim import FusedLAMB, FusedLARS
 
 __all__ = [
     "FusedLAMB",
     "FusedLARS",
+    "GradientNoiseScale",
+    "GradientAccumulationNoiseScale",
+    "DDPGradientNoiseScale",
     "available_backends",
     "name_patterns",
     "one_dimensional",

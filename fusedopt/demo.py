@@ -47,14 +47,14 @@ COMMON: dict[str, Any] = dict(
     # over `probe_windows` big batches at a fixed parameter vector.
     probe_micro_batch=32,
     probe_micro_batches=16,
-    probe_windows=8,
+    probe_windows=32,
     early_epoch_fraction=0.1,  # "early" probe after this fraction of the epochs (at least 1)
 )
 
 RECIPES: dict[str, dict[str, Any]] = {
     # Baseline. LR from the grid {0.01, 0.02, 0.05, 0.1, 0.2} on validation.
     "sgd_b32": dict(
-        label="SGD b=32", optimizer="sgd", batch="small", lr=0.05, momentum=0.9,
+        label="SGD b=32", optimizer="sgd", batch="small", lr=0.02, momentum=0.9,
         weight_decay=5e-4, warmup_epochs=0.0, decay="poly", power=2.0,
     ),
     # Same LR and schedule as the baseline, 16x batch: 16x fewer steps of the same size.
@@ -63,8 +63,8 @@ RECIPES: dict[str, dict[str, Any]] = {
         momentum=0.9, weight_decay=5e-4, warmup_epochs=0.0, decay="poly", power=2.0,
     ),
     # Goyal et al. 2017: LR x k (k = 16) with a linear warm-up from the small-batch LR
-    # (warmup_start_factor = 1/k) over ~1/6 of training (their 5 of 90 epochs is ~6%; at 3 steps
-    # per epoch a few more steps are needed to ramp up at all). Not tuned: the rule sets the LR.
+    # (warmup_start_factor = 1/k) over their 5 epochs (here 5 of 30 epochs = 15 steps; the same
+    # 5-epoch warm-up is used for LARS and LAMB; not tuned). The rule sets the LR: not tuned.
     "sgd_b512_scaled": dict(
         label="SGD b=512 linear+warmup", optimizer="sgd", batch="large", lr="=sgd_b32*16",
         momentum=0.9, weight_decay=5e-4, warmup_epochs=5.0, warmup_start_factor=1 / 16,
@@ -80,7 +80,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     # LAMB (You et al. 2019): betas (0.9, 0.999), eps 1e-6, weight decay 0.01 on matrices,
     # warm-up + poly decay. LR from the grid {0.002, 0.005, 0.01, 0.02, 0.05}.
     "lamb_b512": dict(
-        label="LAMB b=512", optimizer="lamb", batch="large", lr=0.01, weight_decay=0.01,
+        label="LAMB b=512", optimizer="lamb", batch="large", lr=0.02, weight_decay=0.01,
         betas=(0.9, 0.999), eps=1e-6, warmup_epochs=5.0, decay="poly", power=2.0,
     ),
 }
@@ -224,21 +224,27 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return (model(x).argmax(1) == y).float().mean().item()
 
 
-def probe_noise_scale(model, x, y, generator: torch.Generator) -> float:
-    """B_simple at the current parameters, from ``probe_windows`` big batches of
-    ``probe_micro_batches`` x ``probe_micro_batch`` examples drawn with replacement, through
-    :class:`fusedopt.GradientAccumulationNoiseScale`. Gradients are cleared before and after;
-    the optimizer state is not touched."""
+def probe_noise_scale(model, x, y, generator: torch.Generator,
+                      probe_windows: int | None = None) -> tuple[float, float]:
+    """``(B_simple, standard error)`` at the current parameters, from ``probe_windows`` big
+    batches of ``probe_micro_batches`` x ``probe_micro_batch`` examples drawn with replacement,
+    through :class:`fusedopt.GradientAccumulationNoiseScale`. Gradients are cleared before and
+    after; the optimizer state is not touched.
+
+    The parameters are fixed during a probe, so the windows are i.i.d. measurements of the same
+    quantity and are weighted (almost) equally (bias-corrected EMA with beta close to 1). The
+    standard error is the delta-method one of a ratio of means: with ``r_i = tr_i − B·|G|²_i``
+    over the windows' raw estimates, ``se = sd(r) / sqrt(n) / mean(|G|²_i)``.
+    """
     from .noise_scale import GradientAccumulationNoiseScale, GradientNoiseScale
 
     b, n = COMMON["probe_micro_batch"], COMMON["probe_micro_batches"]
-    windows = COMMON["probe_windows"]
-    # Parameters are fixed during a probe, so every window measures the same quantity: weight
-    # them (almost) equally (bias-corrected EMA with beta close to 1 ~ plain average).
+    windows = probe_windows or COMMON["probe_windows"]
     est = GradientNoiseScale(beta=1.0 - 1.0 / (100 * windows))
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
+    raw: list[tuple[float, float]] = []
     with GradientAccumulationNoiseScale(params, b, est, accumulation="mean") as acc:
         for _ in range(windows):
             idx = torch.randint(0, len(y), (n * b,), generator=generator).to(y.device)
@@ -248,13 +254,48 @@ def probe_noise_scale(model, x, y, generator: torch.Generator) -> float:
                 (loss / n).backward()
                 acc.micro_batch_done()
             acc.step()
+            raw.append((float(est.last_trace), float(est.last_sq_norm)))
             for p in params:
                 p.grad = None
-    return est.noise_scale
+    b_simple = est.noise_scale
+    tr = torch.tensor([t for t, _ in raw], dtype=torch.float64)
+    sq = torch.tensor([g for _, g in raw], dtype=torch.float64)
+    se = math.nan
+    if math.isfinite(b_simple) and windows > 1 and float(sq.mean()) > 0:
+        se = float((tr - b_simple * sq).std() / math.sqrt(windows) / sq.mean())
+    return b_simple, se
+
+
+def exact_noise_scale(model, x, y, chunk: int = 32) -> float:
+    """The true ``B_simple`` of the training set at the current parameters, for comparison:
+    per-example gradients ``g_j`` (``torch.func.vmap``, in chunks) give ``G = mean_j g_j`` and
+    ``tr(Σ) = mean_j |g_j|² − |G|²`` (the covariance of one example drawn uniformly from the
+    training set, which is what :func:`probe_noise_scale` samples)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_fn(p, xi, yi):
+        return torch.nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    per_example = vmap(grad(loss_fn), in_dims=(None, 0, 0))
+    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+    sum_sq = torch.zeros((), dtype=torch.float64, device=x.device)
+    with torch.no_grad():
+        for i in range(0, len(y), chunk):
+            g = per_example(params, x[i:i + chunk], y[i:i + chunk])
+            for k, v in g.items():
+                sum_sq += torch.linalg.vector_norm(v).double().square()
+                total[k] += v.sum(0)
+    n = len(y)
+    g2 = sum(float((t / n).square().sum()) for t in total.values())
+    trace = float(sum_sq) / n - g2
+    return trace / g2 if g2 > 0 else math.nan
 
 
 def run_recipe(name: str, recipes: dict[str, dict[str, Any]], data, *, epochs: int, seed: int,
-               device: torch.device, progress: bool, noise: bool = True) -> dict[str, Any]:
+               device: torch.device, progress: bool, noise: bool = True,
+               probe_windows: int | None = None) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     r = recipes[name]
@@ -274,7 +315,8 @@ def run_recipe(name: str, recipes: dict[str, dict[str, Any]], data, *, epochs: i
 
     acc_curve: list[float] = []
     steps_curve: list[int] = []
-    noise_scale = {"early": math.nan, "late": math.nan}
+    noise_scale = {"early": (math.nan, math.nan), "late": (math.nan, math.nan)}
+    exact = {"early": math.nan, "late": math.nan}
     train_time = 0.0
     steps = 0
     diverged = False
@@ -302,16 +344,20 @@ def run_recipe(name: str, recipes: dict[str, dict[str, Any]], data, *, epochs: i
         acc_curve.append(acc)
         steps_curve.append(steps)
         if noise and epoch == early_epoch:
-            noise_scale["early"] = probe_noise_scale(model, x_tr, y_tr, probe_gen)
+            noise_scale["early"] = probe_noise_scale(model, x_tr, y_tr, probe_gen, probe_windows)
+            exact["early"] = exact_noise_scale(model, x_tr, y_tr)
         bar.set_postfix(acc=f"{acc:.3f}", loss=f"{loss.item():.3f}")
     bar.close()
     if noise:
-        noise_scale["late"] = probe_noise_scale(model, x_tr, y_tr, probe_gen)
+        noise_scale["late"] = probe_noise_scale(model, x_tr, y_tr, probe_gen, probe_windows)
+        exact["late"] = exact_noise_scale(model, x_tr, y_tr)
     return dict(
         name=name, label=r["label"], optimizer=r["optimizer"], batch_size=bs, peak_lr=lr,
         steps=steps, train_time_s=train_time, final_accuracy=acc_curve[-1],
         best_accuracy=max(acc_curve), accuracy_per_epoch=acc_curve, steps_per_epoch=steps_curve,
-        noise_scale_early=noise_scale["early"], noise_scale_late=noise_scale["late"],
+        noise_scale_early=noise_scale["early"][0], noise_scale_early_se=noise_scale["early"][1],
+        noise_scale_late=noise_scale["late"][0], noise_scale_late_se=noise_scale["late"][1],
+        exact_noise_scale_early=exact["early"], exact_noise_scale_late=exact["late"],
         early_epoch=early_epoch, diverged=diverged,
     )
 
@@ -319,17 +365,22 @@ def run_recipe(name: str, recipes: dict[str, dict[str, Any]], data, *, epochs: i
 # --------------------------------------------------------------------------------------------
 # reporting
 # --------------------------------------------------------------------------------------------
-def _fmt_noise(v: float) -> str:
-    return "n/a" if not math.isfinite(v) else f"{v:.0f}"
+def _fmt_noise(v: float, se: float) -> str:
+    if not math.isfinite(v):
+        return "n/a"
+    return f"{v:.0f}" + (f" ± {se:.0f}" if math.isfinite(se) else "")
 
 
 def format_table(results: list[dict[str, Any]], eval_name: str) -> str:
     head = ["run", "batch", "peak LR", "steps", "train s", f"{eval_name} acc",
-            "B_noise early", "B_noise late"]
+            "B_noise early", "(exact)", "B_noise late", "(exact)"]
     rows = [[
         r["label"], str(r["batch_size"]), f"{r['peak_lr']:g}", str(r["steps"]),
         f"{r['train_time_s']:.1f}", f"{r['final_accuracy']:.3f}" + (" (diverged)" if r["diverged"] else ""),
-        _fmt_noise(r["noise_scale_early"]), _fmt_noise(r["noise_scale_late"]),
+        _fmt_noise(r["noise_scale_early"], r["noise_scale_early_se"]),
+        _fmt_noise(r["exact_noise_scale_early"], math.nan),
+        _fmt_noise(r["noise_scale_late"], r["noise_scale_late_se"]),
+        _fmt_noise(r["exact_noise_scale_late"], math.nan),
     ] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     left = {0}
@@ -407,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'val' evaluates on a validation split of the training set (for tuning)")
     p.add_argument("--set", action="append", default=[], metavar="RUN.KEY=VALUE",
                    help="override a recipe hyper-parameter, e.g. --set lars_b512.lr=2")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: this MLP is too small to gain from "
+                        "more, and extra threads only contend on a busy machine)")
+    p.add_argument("--probe-windows", type=int, default=COMMON["probe_windows"],
+                   help="big batches per noise-scale probe (default %(default)s)")
     p.add_argument("--no-noise-scale", action="store_true",
                    help="skip the gradient-noise-scale probes (faster, e.g. for tuning)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -414,8 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.threads < 1:
+        raise DemoError(f"--threads {args.threads}: expected an integer >= 1")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.epochs < 1:
         raise DemoError(f"--epochs {args.epochs}: expected an integer >= 1")
+    if args.probe_windows < 2:
+        raise DemoError(f"--probe-windows {args.probe_windows}: expected an integer >= 2")
     if args.image_size < 1:
         raise DemoError(f"--image-size {args.image_size}: expected an integer >= 1")
     try:
@@ -440,21 +509,41 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"{args.epochs} epochs, seed {args.seed}, device {device}, "
           f"torch threads {torch.get_num_threads()}")
 
+    init_noise = (math.nan, math.nan)
+    if not args.no_noise_scale:
+        torch.manual_seed(args.seed)  # the initialization every run starts from
+        model0 = make_model(x_tr.shape[1], n_classes).to(device)
+        init_noise = probe_noise_scale(model0, data[0], data[1],
+                                       torch.Generator().manual_seed(args.seed + 2),
+                                       args.probe_windows)
+        init_exact = exact_noise_scale(model0, data[0], data[1])
+        print(f"gradient noise scale at initialization: {_fmt_noise(*init_noise)} "
+              f"(exact {_fmt_noise(init_exact, math.nan)})")
+
     results = []
     for name in runs:
         results.append(run_recipe(name, recipes, data, epochs=args.epochs, seed=args.seed,
                                   device=device, progress=progress,
-                                  noise=not args.no_noise_scale))
+                                  noise=not args.no_noise_scale,
+                                  probe_windows=args.probe_windows))
     table = format_table(results, eval_name)
     notes = (
         f"train s: training wall time only (no evaluation, no noise-scale probes). "
         f"B_noise: measured gradient noise scale B_simple = tr(Sigma)/|G|^2 "
-        f"(McCandlish et al. 2018) from {COMMON['probe_windows']} windows of "
-        f"{COMMON['probe_micro_batches']}x{COMMON['probe_micro_batch']} examples, "
-        f"early = after epoch {results[0]['early_epoch']}, late = after the last epoch."
+        f"(McCandlish et al. 2018) from {args.probe_windows} windows of "
+        f"{COMMON['probe_micro_batches']}x{COMMON['probe_micro_batch']} examples "
+        f"(± standard error); (exact): the same quantity from all per-example gradients of the "
+        f"training set. early = after epoch {results[0]['early_epoch']}, "
+        f"late = after the last epoch."
     )
+    enc = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        "±".encode(enc)
+        shown = table
+    except (UnicodeEncodeError, LookupError):
+        shown = table.replace("±", "+-")
     print()
-    print(table)
+    print(shown)
     print()
     print(notes)
 
@@ -462,10 +551,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     png = os.path.join(args.out, "accuracy.png")
     plot(results, png, eval_name,
          f"{desc}: {eval_name} accuracy, {args.epochs} epochs, seed {args.seed}")
-    with open(os.path.join(args.out, "table.md"), "w") as f:
+    with open(os.path.join(args.out, "table.md"), "w", encoding="utf-8") as f:
         f.write(table + "\n\n" + notes + "\n")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(dict(common=COMMON, recipes={k: recipes[k] for k in runs},
+                       noise_scale_init=init_noise[0], noise_scale_init_se=init_noise[1],
                        epochs=args.epochs, seed=args.seed, device=str(device), data=desc,
                        eval_on=eval_name, results=results), f, indent=1, default=str)
     print(f"wrote {png}, table.md, results.json")

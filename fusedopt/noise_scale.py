@@ -400,7 +400,7 @@ class DDPGradientNoiseScale:
     The small batch is one rank's local batch, the big batch the global batch. A DDP
     communication hook (``register_comm_hook``) takes, for every gradient bucket, the squared
     norm of the *local* gradients before the all-reduce and of the *averaged* gradients after
-    it (no extra pass over the gradients, no copy). :meth:`step`, called once per optimizer step
+    it (two extra reads of each bucket, no copy). :meth:`step`, called once per optimizer step
     after the synchronizing backward, all-reduces the per-rank local squared norms (one scalar
     collective, the only extra communication) and feeds the estimator on every rank, so every
     rank holds the same estimate::

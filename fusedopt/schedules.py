@@ -17,9 +17,11 @@ the learning rate a group had when the scheduler was created (``base_lr``, store
 
 The update is written in the recursive ("chainable") form of the built-in schedulers,
 ``lr(t) = lr(t-1) · f(t) / f(t-1)``, so that other multiplicative schedulers in a
-``ChainedScheduler`` compose with it; where ``f(t-1) = 0`` (the first step of a warm-up that
-starts from 0) it falls back to ``base_lr · f(t)``. ``step(epoch)`` and ``SequentialLR`` use the
-closed form.
+``ChainedScheduler`` compose with it. Where ``f(t-1)`` is 0, or below ``1e-12`` of the peak,
+it restarts from the closed form ``base_lr · f(t)``; the factors that other chained schedulers
+applied before that step are lost then. With a warm-up that starts from 0 this happens at step 1
+only, where the built-in schedulers' factors are usually still 1. ``step(epoch)`` and
+``SequentialLR`` use the closed form.
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ __all__ = [
 ]
 
 SCALING_RULES = ("linear", "sqrt")
+# Below this factor (relative to the peak) the recursive update restarts from the closed form.
+_RECURSION_FLOOR = 1e-12
 DECAYS = ("poly", "cosine", "none")
 
 
@@ -197,7 +201,8 @@ class WarmupDecayLR(LRScheduler):
             # scheduler of a ChainedScheduler already scaled it).
             return [group["lr"] * f_t for group in self.optimizer.param_groups]
         f_prev = self.factor(t - 1)
-        if f_prev == 0.0:
+        if f_prev <= _RECURSION_FLOOR * self.peak_factor:
+            # 0 (or so close to 0 that lr(t-1) may have underflowed): restart from the closed form
             return [base_lr * f_t for base_lr in self.base_lrs]
         ratio = f_t / f_prev
         return [group["lr"] * ratio for group in self.optimizer.param_groups]
