@@ -29,6 +29,7 @@ import torch
 from . import Backend
 from ..functional import Bucket
 from .._hyper import LambHyper, LarsHyper
+from ..optim import _dense_layout
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NEED_INTERPRETER = ("Triton kernels need a CUDA device; CPU tensors run only under "
@@ -58,18 +59,6 @@ class _Kernels:
         self.lamb, self.lars, self.norms, self.tables = lamb, lars, norms, tables
         self.dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
                       torch.float32: tl.float32, torch.float64: tl.float64}
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether the elements of ``t`` fill its storage span once (any dim order)."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for st, sz in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 def _lr_args(lr, device) -> dict:
@@ -140,6 +129,7 @@ class TritonBackend(Backend):
                      sums=sums[start:stop], **args)
 
     def sq_norms(self, tensors):
+        """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied)."""
         tensors = list(tensors)
         if not tensors:
             return torch.zeros(0, dtype=torch.float32)
@@ -150,7 +140,8 @@ class TritonBackend(Backend):
         for i, x in enumerate(tensors):
             by_dtype.setdefault(x.dtype, []).append(i)
         for dtype, idx in by_dtype.items():
-            group = [tensors[i] if _dense(tensors[i]) else tensors[i].contiguous() for i in idx]
+            group = [tensors[i] if _dense_layout(tensors[i]) else tensors[i].contiguous()
+                     for i in idx]
             cd = torch.float64 if dtype == torch.float64 else torch.float32
             part = out if len(by_dtype) == 1 and cd == out_dtype else torch.empty(
                 len(group), dtype=cd, device=out.device)
@@ -166,21 +157,22 @@ class TritonBackend(Backend):
         return out
 
     # ----------------------------------------------------------------- LAMB
+    @staticmethod
+    def _lamb_scalars(h: LambHyper) -> dict:
+        """Kernel arguments of math.h's ``lamb_coef``, shared by both passes."""
+        return dict(beta1=h.beta1, beta2=h.beta2, beta3=h.beta3, one_minus_beta2=1.0 - h.beta2,
+                    eps=h.eps, lambda_in_u=0.0 if h.decoupled else h.weight_decay,
+                    BIAS_CORRECTION=h.bias_correction)
+
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
-        return self._pass1(
-            self.k.lamb.lamb_pass1_kernel, b, [b.exp_avgs, b.exp_avg_sqs], grad_mult, found_inf,
-            beta1=h.beta1, beta2=h.beta2, beta3=h.beta3, one_minus_beta2=1.0 - h.beta2, eps=h.eps,
-            lambda_in_u=0.0 if h.decoupled else h.weight_decay, BIAS_CORRECTION=h.bias_correction,
-        )
+        return self._pass1(self.k.lamb.lamb_pass1_kernel, b, [b.exp_avgs, b.exp_avg_sqs], grad_mult,
+                           found_inf, **self._lamb_scalars(h))
 
     def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
         self._pass2(
-            self.k.lamb.lamb_pass2_kernel, b, sums, found_inf,
-            beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-            lambda_in_u=0.0 if h.decoupled else h.weight_decay,
+            self.k.lamb.lamb_pass2_kernel, b, sums, found_inf, **self._lamb_scalars(h),
             decoupled_wd=h.weight_decay if h.decoupled else 0.0,
-            ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi,
-            BIAS_CORRECTION=h.bias_correction, ADAPT=h.adapt, BOUNDED=h.bounded,
+            ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi, ADAPT=h.adapt, BOUNDED=h.bounded,
             **_lr_args(h.lr, b.device),
         )
 

@@ -1,4 +1,4 @@
-"""LAMB's two launches (SPEC.md, NVLAMB form), one program per chunk of a bucket's tables.
+"""LAMB's two launches (SPEC.md, NVLAMB form) over a bucket's tables (kernels/tables.py).
 
 Pass 1 (``lamb_pass1_kernel``), per element, with ``t`` the new step count::
 
@@ -18,26 +18,18 @@ are structural only: dtypes, variant flags, presence of optional tensors, tile s
 import triton
 import triton.language as tl
 
-from .math import bias_correction, lamb_apply, lamb_direction, lamb_moments, lamb_trust_ratio, to_compute
+from .math import lamb_apply, lamb_coef, lamb_direction, lamb_moments, lamb_trust_ratio
 from .norms import (
-    GRAD, MASTER, PARAM, STATE0, STATE1, STEP, chunks_of, finish_rows, grad_multiplier, load_tile, masked_sq,
-    tensor_ptrs,
+    GRAD, MASTER, PARAM, STATE0, STATE1, STEP, chunks_of, finish_rows, grad_multiplier, load_tile,
+    masked_sq, round_to, tensor_ptrs,
 )
-
-
-@triton.jit
-def _bias_corrections(t, beta1, beta2, CD: tl.constexpr, BIAS_CORRECTION: tl.constexpr):
-    """``(1 - β1^t, 1 - β2^t)`` as ``[ROWS, 1]`` columns, or 1 without bias correction."""
-    if BIAS_CORRECTION:
-        return bias_correction(beta1, t, CD)[:, None], bias_correction(beta2, t, CD)[:, None]
-    else:
-        return tl.full((), 1.0, CD), tl.full((), 1.0, CD)
 
 
 @triton.jit
 def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_minus_beta2,
                 bc1, bc2, eps, lambda_in_u, CD: tl.constexpr):
-    """One tile of pass 1; returns its ``(w², u²)`` (0 outside ``mask``; None: a full tile)."""
+    """One tile of pass 1; returns its ``(w², u²)`` (0 outside ``mask``; None: a full tile).
+    Masked-off lanes load 0, so their w² is 0; their u is 0/eps, or NaN when eps = 0."""
     w = load_tile(w_ptr, mask).to(CD)
     g = load_tile(g_ptr, mask).to(CD) * gm
     m = load_tile(m_ptr, mask)
@@ -46,7 +38,7 @@ def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_m
     tl.store(m_ptr, m, mask=mask)
     tl.store(v_ptr, v, mask=mask)
     u = lamb_direction(w, m, v, bc1, bc2, eps, lambda_in_u)
-    return masked_sq(w, mask), masked_sq(u, mask)
+    return w * w, masked_sq(u, mask)
 
 
 @triton.jit
@@ -71,13 +63,10 @@ def lamb_pass1_kernel(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     step_ptr = tl.load(rec + STEP).to(tl.pointer_type(tl.float32))
     t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in norms.py
-    bc1, bc2 = _bias_corrections(t, beta1, beta2, CD, BIAS_CORRECTION)
-    b1 = to_compute(beta1, CD)
-    b2 = to_compute(beta2, CD)
-    b3 = to_compute(beta3, CD)
-    omb2 = to_compute(one_minus_beta2, CD)
-    eps_c = to_compute(eps, CD)
-    lam = to_compute(lambda_in_u, CD)
+    b1, b2, b3, omb2, eps_c, bc1, bc2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
+                                                       lambda_in_u, CD, BIAS_CORRECTION)
+    bc1 = bc1[:, None]
+    bc2 = bc2[:, None]
     gm = grad_multiplier(grad_mult, CD, HAS_GRAD_MULT)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
@@ -88,8 +77,8 @@ def lamb_pass1_kernel(
     v_ptr = tensor_ptrs(rec, STATE1, CD, ALIGNED) + start[:, None]
 
     cols = tl.arange(0, BLOCK)[None, :]
-    acc_w = tl.zeros([ROWS, BLOCK], CD)
-    acc_u = tl.zeros([ROWS, BLOCK], CD)
+    acc_w = tl.full([ROWS, BLOCK], 0.0, CD)
+    acc_u = tl.full([ROWS, BLOCK], 0.0, CD)
     if tl.min(n, 0) == CHUNK:
         for off in range(0, CHUNK, BLOCK):
             o = off + cols
@@ -117,9 +106,9 @@ def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, bc1, bc2, eps, lambda_in_u, lr
     v = load_tile(v_ptr, mask)
     u = lamb_direction(w, m, v, bc1, bc2, eps, lambda_in_u)
     w = lamb_apply(w, u, lr_phi, decay)
-    tl.store(w_ptr, w.to(w_ptr.dtype.element_ty), mask=mask)
+    tl.store(w_ptr, round_to(w, w_ptr.dtype.element_ty), mask=mask)
     if HAS_MASTER:
-        tl.store(p_ptr, w.to(P_DTYPE), mask=mask)
+        tl.store(p_ptr, round_to(w, P_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -129,7 +118,9 @@ def lamb_pass2_kernel(
     sums,  # [n, 2]: (‖w‖², ‖u‖²) per tensor, as pass 1 returned it (possibly all-reduced)
     found_inf,  # float32 scalar or None: nonzero skips the step
     lr_ptr,  # scalar tensor or None: the learning rate when it is a tensor (LR_IS_TENSOR)
-    beta1: tl.float64, beta2: tl.float64, eps: tl.float64, lambda_in_u: tl.float64,
+    beta1: tl.float64, beta2: tl.float64, beta3: tl.float64, one_minus_beta2: tl.float64,
+    eps: tl.float64,
+    lambda_in_u: tl.float64,  # λ, or 0 for decoupled weight decay
     lr: tl.float64,  # the learning rate when it is a number
     decoupled_wd: tl.float64,  # λ for decoupled weight decay, else 0
     ratio_lo: tl.float64, ratio_hi: tl.float64,
@@ -142,12 +133,14 @@ def lamb_pass2_kernel(
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
-    bc1, bc2 = _bias_corrections(t, beta1, beta2, CD, BIAS_CORRECTION)  # t: advanced by pass 1
-    eps_c = to_compute(eps, CD)
-    lam = to_compute(lambda_in_u, CD)
+    _, _, _, _, eps_c, bc1, bc2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
+                                                 lambda_in_u, CD, BIAS_CORRECTION)  # t of pass 1
+    bc1 = bc1[:, None]
+    bc2 = bc2[:, None]
     w_sq = tl.load(sums + 2 * i, mask=valid, other=0.0).to(CD)
     u_sq = tl.load(sums + 2 * i + 1, mask=valid, other=0.0).to(CD)
-    phi = lamb_trust_ratio(w_sq, u_sq, to_compute(ratio_lo, CD), to_compute(ratio_hi, CD), ADAPT, BOUNDED)
+    phi = lamb_trust_ratio(w_sq, u_sq, tl.full((), ratio_lo, CD), tl.full((), ratio_hi, CD),
+                           ADAPT, BOUNDED)
     if LR_IS_TENSOR:
         lr64 = tl.load(lr_ptr).to(tl.float64)
     else:

@@ -1,4 +1,4 @@
-"""LARS's two launches (SPEC.md, the form of Paddle's ``lars_momentum``), one program per chunk.
+"""LARS's two launches (SPEC.md, the form of Paddle's ``lars_momentum``) over a bucket's tables.
 
 Pass 1 (``lars_pass1_kernel``) reads w and g and writes ``sums[i] = (Σ w², Σ g²)``, or
 ``(Σ w², Σ (g + λw)²)`` for ``denominator="combined"``, finalised in the same launch by the
@@ -10,21 +10,22 @@ even). Memory traffic per element: 8 + 20 bytes, SPEC.md's 28 for float32.
 import triton
 import triton.language as tl
 
-from .math import lars_apply, lars_trust_ratio, to_compute
+from .math import lars_apply, lars_coef, lars_trust_ratio
 from .norms import (
-    GRAD, MASTER, PARAM, STATE0, STEP, chunks_of, finish_rows, grad_multiplier, load_tile, masked_sq,
-    tensor_ptrs,
+    GRAD, MASTER, PARAM, STATE0, STEP, chunks_of, finish_rows, grad_multiplier, load_tile,
+    round_to, tensor_ptrs,
 )
 
 
 @triton.jit
 def _pass1_tile(w_ptr, g_ptr, mask, gm, lam, CD: tl.constexpr, COMBINED: tl.constexpr):
-    """One tile of pass 1; returns its ``(w², g²)`` or ``(w², (g + λw)²)``."""
+    """One tile of pass 1; returns its ``(w², g²)`` or ``(w², (g + λw)²)`` (masked-off lanes
+    load 0, so they add 0)."""
     w = load_tile(w_ptr, mask).to(CD)
     g = load_tile(g_ptr, mask).to(CD) * gm
     if COMBINED:
         g = g + lam * w
-    return masked_sq(w, mask), masked_sq(g, mask)
+    return w * w, g * g
 
 
 @triton.jit
@@ -48,7 +49,7 @@ def lars_pass1_kernel(
     step_ptr = tl.load(rec + STEP).to(tl.pointer_type(tl.float32))
     t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in norms.py
     gm = grad_multiplier(grad_mult, CD, HAS_GRAD_MULT)
-    lam = to_compute(weight_decay, CD)
+    lam = tl.full((), weight_decay, CD)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
     else:
@@ -56,8 +57,8 @@ def lars_pass1_kernel(
     g_ptr = tensor_ptrs(rec, GRAD, G_DTYPE, ALIGNED) + start[:, None]
 
     cols = tl.arange(0, BLOCK)[None, :]
-    acc_w = tl.zeros([ROWS, BLOCK], CD)
-    acc_g = tl.zeros([ROWS, BLOCK], CD)
+    acc_w = tl.full([ROWS, BLOCK], 0.0, CD)
+    acc_g = tl.full([ROWS, BLOCK], 0.0, CD)
     if tl.min(n, 0) == CHUNK:
         for off in range(0, CHUNK, BLOCK):
             o = off + cols
@@ -84,9 +85,9 @@ def _pass2_tile(w_ptr, p_ptr, g_ptr, v_ptr, mask, gm, ratio, lam, lr, mu, keep, 
     v = load_tile(v_ptr, mask)
     w, v = lars_apply(w, g, v, ratio, lam, lr, mu, keep, add, NESTEROV, LR_IN_MOMENTUM)
     tl.store(v_ptr, v, mask=mask)
-    tl.store(w_ptr, w.to(w_ptr.dtype.element_ty), mask=mask)
+    tl.store(w_ptr, round_to(w, w_ptr.dtype.element_ty), mask=mask)
     if HAS_MASTER:
-        tl.store(p_ptr, w.to(P_DTYPE), mask=mask)
+        tl.store(p_ptr, round_to(w, P_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -113,23 +114,18 @@ def lars_pass2_kernel(
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
-    lam = to_compute(weight_decay, CD)
-    mu = to_compute(momentum, CD)
+    lam = tl.full((), weight_decay, CD)
     w_sq = tl.load(sums + 2 * i, mask=valid, other=0.0).to(CD)
     g_sq = tl.load(sums + 2 * i + 1, mask=valid, other=0.0).to(CD)
-    ratio = lars_trust_ratio(w_sq, g_sq, to_compute(trust_coefficient, CD), lam, to_compute(eps, CD),
+    ratio = lars_trust_ratio(w_sq, g_sq, tl.full((), trust_coefficient, CD), lam, tl.full((), eps, CD),
                              ADAPT, COMBINED, TRUST_CLIP)[:, None]
     if LR_IS_TENSOR:
         lr_c = tl.load(lr_ptr).to(CD)
     else:
-        lr_c = to_compute(lr, CD)
-    if LR_IN_MOMENTUM:
-        keep = mu
-        add = lr_c
-    else:  # torch SGD: the buffer starts as d on the first step (t advanced by pass 1)
-        first_step = (t == 1.0)[:, None]
-        keep = tl.where(first_step, 0.0, mu).to(CD)
-        add = tl.where(first_step, 1.0, to_compute(one_minus_dampening, CD)).to(CD)
+        lr_c = tl.full((), lr, CD)
+    mu, keep, add = lars_coef(t, lr_c, momentum, one_minus_dampening, CD, LR_IN_MOMENTUM)  # t of pass 1
+    keep = keep[:, None]
+    add = add[:, None]
     gm = grad_multiplier(grad_mult, CD, HAS_GRAD_MULT)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]

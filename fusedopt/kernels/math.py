@@ -15,18 +15,12 @@ float32).
 
 Note [float64 scalars]: hyper-parameters arrive as float64 kernel arguments (``tl.float64``
 annotation; a plain Python float would be passed as float32) and are rounded to the compute
-dtype once with :func:`to_compute`, as math.h's ``T(h.beta1)`` does. ``tl.full`` rather than
-``tl.cast`` because under ``TRITON_INTERPRET=1`` a kernel argument stays a Python float, which
+dtype once with ``tl.full((), x, CD)``, as math.h's ``T(h.beta1)`` does. ``tl.full`` rather
+than ``tl.cast`` because under ``TRITON_INTERPRET=1`` a kernel argument stays a Python float, which
 ``tl.cast`` would first round to float32; ``tl.full`` builds the constant in the target dtype.
 """
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def to_compute(x, CD: tl.constexpr):
-    """A float64 kernel argument (or a loaded scalar) as a scalar of the compute dtype ``CD``."""
-    return tl.full((), x, CD)
 
 
 @triton.jit
@@ -67,6 +61,23 @@ def zero_norm_rule(w_norm, other_norm, ratio):
 
 
 # ------------------------------------------------------------------------------------- LAMB
+
+
+@triton.jit
+def lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps, lambda_in_u, CD: tl.constexpr,
+              BIAS_CORRECTION: tl.constexpr):
+    """math.h's LambCoef: the LAMB scalars of step ``t`` in CD, ``(β1, β2, β3, 1-β2, eps, bc1, bc2,
+    λ_u)``; ``bc1, bc2`` are ``1 - β^t`` (1 without bias correction) with the shape of ``t``,
+    ``λ_u`` is λ, or 0 for decoupled weight decay."""
+    if BIAS_CORRECTION:
+        bc1 = bias_correction(beta1, t, CD)
+        bc2 = bias_correction(beta2, t, CD)
+    else:
+        bc1 = tl.full(t.shape, 1.0, CD)
+        bc2 = tl.full(t.shape, 1.0, CD)
+    return (tl.full((), beta1, CD), tl.full((), beta2, CD), tl.full((), beta3, CD),
+            tl.full((), one_minus_beta2, CD), tl.full((), eps, CD), bc1, bc2,
+            tl.full((), lambda_in_u, CD))
 
 
 @triton.jit
@@ -130,6 +141,22 @@ def lars_trust_ratio(w_sq, g_sq, kappa, lam, eps, ADAPT: tl.constexpr, COMBINED:
     else:
         ratio = tl.full((), 1.0, w_sq.dtype)
     return ratio
+
+
+@triton.jit
+def lars_coef(t, lr, momentum, one_minus_dampening, CD: tl.constexpr, LR_IN_MOMENTUM: tl.constexpr):
+    """math.h's LarsCoef for steps ``t``: ``(μ, keep, add)`` in CD, ``keep``/``add`` with the shape
+    of ``t``: ``(μ, lr)`` when LR_IN_MOMENTUM, else ``(μ, 1 - dampening)``, or ``(0, 1)`` on the
+    first step (torch SGD starts the buffer as ``d``). ``lr`` is already in CD."""
+    mu = tl.full((), momentum, CD)
+    if LR_IN_MOMENTUM:
+        keep = tl.full(t.shape, mu, CD)
+        add = tl.full(t.shape, lr, CD)
+    else:
+        first = t == 1.0
+        keep = tl.where(first, 0.0, mu).to(CD)
+        add = tl.where(first, 1.0, tl.full((), one_minus_dampening, CD)).to(CD)
+    return mu, keep, add
 
 
 @triton.jit

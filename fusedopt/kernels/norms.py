@@ -20,6 +20,12 @@ Note [step counts]: pass 1 advances each tensor's step count (unless found_inf).
 tensor reads the old count and uses ``t + 1``; only the tensor's last row (the one that writes
 its sums) stores ``t + 1``, after all the others have read ``t`` (Note [two-stage norms]).
 Pass 2, a later launch, reads the new count.
+
+Note [bf16 rounding in the interpreter]: compiled kernels round float32 to bfloat16 to nearest
+even (``cvt.rn.bf16.f32``), as torch does; Triton's interpreter (3.7) truncates instead. Under
+the interpreter, :func:`round_to` rounds by hand (``INTERPRETED`` is fixed when this module is
+imported, like the choice between compiling and interpreting), so the CPU tests see the GPU's
+rounding.
 """
 import triton
 import triton.language as tl
@@ -36,6 +42,7 @@ STATE1 = tl.constexpr(_tables.STATE1)
 STEP = tl.constexpr(_tables.STEP)
 NUMEL = tl.constexpr(_tables.NUMEL)
 FIRST_CHUNK = tl.constexpr(_tables.FIRST_CHUNK)
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @triton.jit
@@ -53,9 +60,9 @@ def chunks_of(records, owner, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.
     rec = records + i.to(tl.int64) * RECORD
     numel = tl.load(rec + NUMEL)
     first = tl.load(rec + FIRST_CHUNK)
-    count = tl.maximum(tl.cdiv(numel, CHUNK), 1)
+    count = tl.maximum((numel + CHUNK - 1) // CHUNK, 1)
     start = (c - first) * CHUNK
-    n = tl.where(valid, tl.minimum(numel - start, CHUNK), 0)
+    n = tl.where(valid, tl.minimum(numel - start, CHUNK), 0).to(tl.int32)  # <= CHUNK
     inc = 1.0
     if HAS_FOUND_INF:
         skip = tl.load(found_inf) != 0
@@ -81,6 +88,18 @@ def grad_multiplier(grad_mult, CD: tl.constexpr, HAS_GRAD_MULT: tl.constexpr):
         return tl.load(grad_mult).to(CD)
     else:
         return tl.full((), 1.0, CD)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """``x`` (float32) rounded to DTYPE, to nearest even (Note [bf16 rounding in the interpreter])."""
+    if INTERPRETED and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x == x, y, x.to(tl.bfloat16))
+    else:
+        return x.to(DTYPE)
 
 
 @triton.jit
@@ -115,8 +134,8 @@ def finish_rows(partials, counters, sums, c, valid, i, first, count, p0, p1, NS:
     n_last = tl.max(tl.where(last, count, 0), 0)
     if n_last > 0:
         lanes = tl.arange(0, RBLOCK)[None, :]
-        acc0 = tl.zeros([ROWS, RBLOCK], p0.dtype)
-        acc1 = tl.zeros([ROWS, RBLOCK], p0.dtype)
+        acc0 = tl.full([ROWS, RBLOCK], 0.0, p0.dtype)
+        acc1 = tl.full([ROWS, RBLOCK], 0.0, p0.dtype)
         for j in range(0, n_last, RBLOCK):
             mask = last[:, None] & (j + lanes < count[:, None])
             slot = partials + 2 * (first[:, None] + j + lanes)
@@ -145,7 +164,7 @@ def sq_norms_kernel(
     c, valid, i, rec, start, n, first, count, inc = chunks_of(records, owner, None, False, CHUNK, ROWS)
     x_ptr = tensor_ptrs(rec, PARAM, X_DTYPE, ALIGNED) + start[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
-    acc = tl.zeros([ROWS, BLOCK], CD)
+    acc = tl.full([ROWS, BLOCK], 0.0, CD)
     if tl.min(n, 0) == CHUNK:
         for off in range(0, CHUNK, BLOCK):
             x = tl.load(x_ptr + (off + cols)).to(CD)

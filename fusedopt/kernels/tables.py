@@ -13,8 +13,21 @@ The kernels never receive a Python list of tensors. A bucket of ``n`` tensors is
 * the workspace of the two-stage norms: ``partials`` ``[C, 2]`` and the int32 ``counters`` ``[n]``
   (zero between launches, see kernels/norms.py).
 
+Note [table cache]: building a table is a host loop over the tensors and one host-to-device copy,
+so tables are cached, keyed by the device, the chunk layout, the tuple of every data pointer and
+every ``numel``; a step whose tensors did not move reuses them. A hit costs one Python pass over
+the tensors (``data_ptr()``/``numel()``), no torch op. Only the pointers are keyed, never the
+tensors, so the cache keeps no user memory alive; it is a small LRU.
+
+Note [launch limit]: one launch covers at most ``MAX_TENSORS_PER_LAUNCH`` tensors; a larger
+bucket is cut into consecutive slices with one set of launches each (and its own table), so the
+launches per step are constant up to that many tensors and grow by one set per further slice.
+The limit bounds the size of one table (64 B per tensor) and of one host-to-device copy; it is a
+module attribute so tests can lower it.
+"""
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -24,10 +37,16 @@ import torch
 # Note [launch limit]
 MAX_TENSORS_PER_LAUNCH = 32768
 # Elements per chunk; chunks per program (rows of a tile); columns of a tile. Powers of two.
+# Compiled for sm_90, LAMB's pass 1 needs 64 registers a thread with one row of 1024 columns and
+# 4 warps, 96 with 2 x 512 and 239 with 4 x 512 (each row's pointers are 64-bit per element), so
+# the GPU default is one chunk per program. The interpreter's cost is per program and per
+# operation, not per element, so the tests take many rows of wide tiles.
 CHUNK_SIZE = 16384
-ROWS = 4
-BLOCK_SIZE = 512
+ROWS = 1
+BLOCK_SIZE = 1024
 NUM_WARPS = 4
+if os.environ.get("TRITON_INTERPRET") == "1":  # read when triton makes its choice, at first import
+    CHUNK_SIZE, ROWS, BLOCK_SIZE = 2048, 64, 512
 # Lanes of the finaliser's fixed-order reduction over the chunk partials of one tensor.
 REDUCE_BLOCK = 128
 CACHE_ENTRIES = 64
@@ -65,7 +84,7 @@ class Table:
     records: torch.Tensor  # int64 [n, RECORD]
     owner: torch.Tensor  # int32 [num_programs * ROWS], -1 past the last chunk
     counters: torch.Tensor  # int32 [n], zero between launches
-    aligned: bool  # every data pointer is a multiple of 16 bytes
+    aligned: bool  # every data pointer (not the steps) is a multiple of 16 bytes
     _partials: dict = field(default_factory=dict)
 
     def partials(self, dtype: torch.dtype) -> torch.Tensor:
@@ -97,7 +116,7 @@ def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[i
     owner = torch.full((programs * ROWS,), -1, dtype=torch.int32)
     owner[:c] = torch.repeat_interleave(torch.arange(n, dtype=torch.int32),
                                         torch.tensor(counts, dtype=torch.int64))
-    aligned = all(p % 16 == 0 for col in columns for p in col)
+    aligned = all(p % 16 == 0 for col in columns[PARAM:STEP] for p in col)  # data, not steps
     return Table(n=n, num_chunks=c, num_programs=programs, records=records.to(device),
                  owner=owner.to(device), counters=torch.zeros(n, dtype=torch.int32, device=device),
                  aligned=aligned)
