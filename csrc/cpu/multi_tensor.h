@@ -8,7 +8,30 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+// Note [ISA clones]: the extension is compiled for the baseline x86-64 ISA (SSE2), so that one
+// build runs on every CPU. On x86-64 with GCC or clang the launcher also carries an AVX2 clone of
+// the chunk loop (target attribute below) and picks it at run time when the CPU has AVX2. The
+// chunk functors and the math they call are force-inlined into both clones, so each is vectorized
+// for its ISA; out-of-line copies of shared inline functions stay baseline (no ODR hazard). The
+// clones give bit-identical results: FMA is not enabled (no contraction), every operation is an
+// IEEE-rounded add/mul/div/sqrt in the same order, and the reductions use fixed lanes.
+// FUSEDOPT_CPU_ISA=baseline in the environment forces the baseline clone (for tests).
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define FUSEDOPT_AVX2_CLONE 1
+#define FUSEDOPT_TARGET_AVX2 __attribute__((target("avx2")))
+#endif
+#if defined(__GNUC__) || defined(__clang__)
+#define FUSEDOPT_INLINE inline __attribute__((always_inline))
+#define FUSEDOPT_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define FUSEDOPT_INLINE inline
+#define FUSEDOPT_INLINE_LAMBDA
+#endif
 
 namespace fusedopt {
 namespace cpu {
@@ -21,11 +44,11 @@ namespace cpu {
 constexpr int64_t kChunk = 1 << 15;
 
 // Elements staged at a time inside a chunk (in L1-resident buffers) before their squares are
-// accumulated; a multiple of kLanes.
+// accumulated; the unit of SqSum's fixed blocking.
 constexpr int64_t kBlock = 256;
 
-// Independent double accumulators of SqSum: element k of a chunk always goes to lane k % kLanes.
-constexpr int kLanes = 8;
+// Fixed accumulation lanes of SqSum: element k of a block always goes to lane k % kLanes.
+constexpr int kLanes = 32;
 
 struct Chunk {
   int64_t tensor;  // index of the tensor in the bucket
@@ -33,33 +56,85 @@ struct Chunk {
   int64_t len;     // number of elements, 1..kChunk
 };
 
-// Sum of squares of the elements of one chunk, fed block by block (every block but the last a
-// multiple of kLanes long), accumulated in double in kLanes fixed lanes and reduced in lane order.
-// Fixed lanes (rather than one accumulator) let the compiler vectorize without reassociating.
+// Note [blocked sums of squares]: the sum of squares of one chunk, with a fixed association that
+// depends only on the element's position in the chunk. The chunk is cut in blocks of kBlock
+// elements; within a block, element k adds x*x into lane k % kLanes (float lanes for float32
+// compute: at most kBlock / kLanes = 8 terms each; double lanes for float64), each block's lanes
+// are added into kLanes double lanes, and total() adds those in lane order. Fixed lanes (rather
+// than one accumulator) let the compiler vectorize without reassociating; the short float runs
+// keep the cost of float32 math while the error stays that of a few float additions.
+// add() may be fed a chunk whole or block by block (every call but the last kBlock long).
 struct SqSum {
   double lane[kLanes] = {};
 
-  template <typename T>
-  void add(const T* __restrict__ x, int64_t n) {
-    int64_t k = 0;
-    for (; k + kLanes <= n; k += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
-        const double xj = static_cast<double>(x[k + j]);
-        lane[j] += xj * xj;
-      }
-    }
-    for (int j = 0; k + j < n; ++j) {
-      const double xj = static_cast<double>(x[k + j]);
-      lane[j] += xj * xj;
-    }
+  template <typename S>
+  FUSEDOPT_INLINE void add(const S* __restrict__ x, int64_t n) {
+    for (int64_t b = 0; b < n; b += kBlock) add_block(x + b, std::min(kBlock, n - b));
   }
 
-  double total() const {
+  FUSEDOPT_INLINE double total() const {
     double s = 0.0;
     for (int j = 0; j < kLanes; ++j) s += lane[j];
     return s;
   }
+
+ private:
+  template <typename S>
+  FUSEDOPT_INLINE void add_block(const S* __restrict__ x, int64_t n) {
+    // float64 storage is summed in double, every other storage type in float (exact conversions)
+    using A = std::conditional_t<std::is_same_v<S, double>, double, float>;
+    A acc[kLanes] = {};
+    int64_t k = 0;
+    for (; k + kLanes <= n; k += kLanes) {
+      for (int j = 0; j < kLanes; ++j) {
+        const A xj = static_cast<A>(x[k + j]);
+        acc[j] += xj * xj;
+      }
+    }
+    for (int j = 0; k + j < n; ++j) {
+      const A xj = static_cast<A>(x[k + j]);
+      acc[j] += xj * xj;
+    }
+    for (int j = 0; j < kLanes; ++j) lane[j] += static_cast<double>(acc[j]);
+  }
 };
+
+// Runs f(c, chunks[c]) for c in [begin, end): the loop of one thread, in two ISA clones (Note [ISA
+// clones]); f must be force-inlined (FUSEDOPT_INLINE_LAMBDA) so that it is compiled into each.
+template <typename F>
+void run_chunks_baseline(const F& f, const Chunk* chunks, int64_t begin, int64_t end) {
+  for (int64_t c = begin; c < end; ++c) f(c, chunks[c]);
+}
+
+#ifdef FUSEDOPT_AVX2_CLONE
+template <typename F>
+FUSEDOPT_TARGET_AVX2 void run_chunks_avx2(const F& f, const Chunk* chunks, int64_t begin,
+                                          int64_t end) {
+  for (int64_t c = begin; c < end; ++c) f(c, chunks[c]);
+}
+#endif
+
+// Whether the AVX2 clone runs: the CPU has AVX2 and FUSEDOPT_CPU_ISA is not "baseline".
+inline bool use_avx2() {
+#ifdef FUSEDOPT_AVX2_CLONE
+  static const bool avx2 = [] {
+    const char* isa = std::getenv("FUSEDOPT_CPU_ISA");
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && !(isa != nullptr && std::strcmp(isa, "baseline") == 0);
+  }();
+  return avx2;
+#else
+  return false;
+#endif
+}
+
+template <typename F>
+void run_chunks(const F& f, const Chunk* chunks, int64_t begin, int64_t end) {
+#ifdef FUSEDOPT_AVX2_CLONE
+  if (use_avx2()) return run_chunks_avx2(f, chunks, begin, end);
+#endif
+  run_chunks_baseline(f, chunks, begin, end);
+}
 
 // The chunks of a list of tensors (see Note [chunk partition]).
 class ChunkTable {
@@ -86,7 +161,7 @@ class ChunkTable {
   int64_t tensor_end(int64_t i) const { return first_[i + 1]; }  // [begin, end)
   int64_t total_elements() const { return elems_before_.back(); }
 
-  // Runs f(c, chunk) for every chunk c, in ONE parallel region for the whole bucket: each thread
+  // Runs f(c, chunk) for every chunk c (f force-inlined, see run_chunks), in ONE parallel region for the whole bucket: each thread
   // takes a contiguous run of chunks holding about total/threads elements (so many small tensors
   // cost one fork/join, not one per tensor). Small buckets run inline without forking.
   template <typename F>
@@ -97,8 +172,8 @@ class ChunkTable {
         std::min<int64_t>(at::get_num_threads(), (total + kChunk - 1) / kChunk), size());
     auto run = [&](int64_t slot_begin, int64_t slot_end) {
       for (int64_t s = slot_begin; s < slot_end; ++s) {
-        const int64_t c_end = first_chunk_at(total * (s + 1) / slots);
-        for (int64_t c = first_chunk_at(total * s / slots); c < c_end; ++c) f(c, chunks_[c]);
+        run_chunks(f, chunks_.data(), first_chunk_at(total * s / slots),
+                   first_chunk_at(total * (s + 1) / slots));
       }
     };
     if (slots <= 1) {

@@ -127,39 +127,14 @@ T grad_multiplier(const std::optional<at::Tensor>& grad_mult) {
 // ------------------------------------------------------------------------- hyper-parameters
 
 LambHyper lamb_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr) {
-  TORCH_CHECK(x.size() == kLambFields, "fusedopt cpp backend: LAMB hyper has ", x.size(),
-              " values, expected ", static_cast<int>(kLambFields));
-  LambHyper h;
-  h.lr = lr.has_value() ? read_scalar(*lr, "lr") : x[kLambLr];
-  h.beta1 = x[kLambBeta1];
-  h.beta2 = x[kLambBeta2];
-  h.beta3 = x[kLambBeta3];
-  h.eps = x[kLambEps];
-  h.weight_decay = x[kLambWeightDecay];
-  h.ratio_lo = x[kLambRatioLo];
-  h.ratio_hi = x[kLambRatioHi];
-  h.bias_correction = x[kLambBiasCorrection] != 0.0;
-  h.adapt = x[kLambAdapt] != 0.0;
-  h.decoupled = x[kLambDecoupled] != 0.0;
-  h.bounded = x[kLambBounded] != 0.0;
+  LambHyper h = lamb_hyper_from(x);
+  if (lr.has_value()) h.lr = read_scalar(*lr, "lr");
   return h;
 }
 
 LarsHyper lars_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr) {
-  TORCH_CHECK(x.size() == kLarsFields, "fusedopt cpp backend: LARS hyper has ", x.size(),
-              " values, expected ", static_cast<int>(kLarsFields));
-  LarsHyper h;
-  h.lr = lr.has_value() ? read_scalar(*lr, "lr") : x[kLarsLr];
-  h.momentum = x[kLarsMomentum];
-  h.dampening = x[kLarsDampening];
-  h.weight_decay = x[kLarsWeightDecay];
-  h.trust_coefficient = x[kLarsTrustCoefficient];
-  h.eps = x[kLarsEps];
-  h.nesterov = x[kLarsNesterov] != 0.0;
-  h.trust_clip = x[kLarsTrustClip] != 0.0;
-  h.combined = x[kLarsCombined] != 0.0;
-  h.lr_in_momentum = x[kLarsLrInMomentum] != 0.0;
-  h.adapt = x[kLarsAdapt] != 0.0;
+  LarsHyper h = lars_hyper_from(x);
+  if (lr.has_value()) h.lr = read_scalar(*lr, "lr");
   return h;
 }
 
@@ -211,8 +186,21 @@ std::vector<T> read_sums(const at::Tensor& sums, int64_t n) {
   return std::vector<T>(p, p + 2 * n);
 }
 
+// Sum of squares of elements [offset, offset + n) of a tensor of a supported dtype.
+FUSEDOPT_INLINE double sq_sum(at::ScalarType dtype, const void* data, int64_t offset, int64_t n) {
+  SqSum acc;
+  switch (dtype) {
+    case at::kFloat: acc.add(static_cast<const float*>(data) + offset, n); break;
+    case at::kDouble: acc.add(static_cast<const double*>(data) + offset, n); break;
+    case at::kBFloat16: acc.add(static_cast<const c10::BFloat16*>(data) + offset, n); break;
+    case at::kHalf: acc.add(static_cast<const c10::Half*>(data) + offset, n); break;
+    default: break;
+  }
+  return acc.total();
+}
+
 template <typename P, typename T>
-inline void store_param(P* p, int64_t k, T value) {
+FUSEDOPT_INLINE void store_param(P* p, int64_t k, T value) {
   if constexpr (!std::is_same_v<P, NoParam>) p[k] = static_cast<P>(value);
 }
 
@@ -222,7 +210,7 @@ inline void store_param(P* p, int64_t k, T value) {
 // LAMB pass 1: m <- beta1*m + beta3*g ; v <- beta2*v + (1-beta2)*g^2 (written back);
 // u = lamb_direction(w, m, v); out[0] = sum w^2, out[1] = sum u^2 over the chunk.
 template <typename W, typename G, typename T>
-void lamb_pass1_chunk(const W* __restrict__ w,  // weights (fp32 master or param), read
+FUSEDOPT_INLINE void lamb_pass1_chunk(const W* __restrict__ w,  // weights (fp32 master or param), read
                       const G* __restrict__ g,  // gradient, read as g * gm
                       T* __restrict__ m,        // exp_avg, updated
                       T* __restrict__ v,        // exp_avg_sq, updated
@@ -252,7 +240,7 @@ void lamb_pass1_chunk(const W* __restrict__ w,  // weights (fp32 master or param
 // LAMB pass 2: u = lamb_direction(w, m, v) (the same call as pass 1), w <- w*decay - lr_phi*u;
 // with masters the param gets the new weight rounded to nearest even.
 template <typename W, typename P, typename T>
-void lamb_pass2_chunk(W* __restrict__ w,        // weights, updated
+FUSEDOPT_INLINE void lamb_pass2_chunk(W* __restrict__ w,        // weights, updated
                       P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
                       const T* __restrict__ m,  // exp_avg, read
                       const T* __restrict__ v,  // exp_avg_sq, read
@@ -267,7 +255,7 @@ void lamb_pass2_chunk(W* __restrict__ w,        // weights, updated
 
 // LARS pass 1: out[0] = sum w^2; out[1] = sum g^2, or sum (g + lambda*w)^2 when kCombined.
 template <bool kCombined, typename W, typename G, typename T>
-void lars_pass1_chunk(const W* __restrict__ w,  // weights, read
+FUSEDOPT_INLINE void lars_pass1_chunk(const W* __restrict__ w,  // weights, read
                       const G* __restrict__ g,  // gradient, read as g * gm
                       int64_t n, const T gm, const T lambda, double* out) {
   alignas(64) T wb[kBlock];
@@ -291,7 +279,7 @@ void lars_pass1_chunk(const W* __restrict__ w,  // weights, read
 // LARS pass 2: lars_apply (d = ratio*(g + lambda*w), momentum, w <- w - step). The two structural
 // switches of LarsCoef are made compile-time constants here so that each variant vectorizes.
 template <bool kLrInMomentum, bool kNesterov, typename W, typename G, typename P, typename T>
-void lars_pass2_chunk(W* __restrict__ w,        // weights, updated
+FUSEDOPT_INLINE void lars_pass2_chunk(W* __restrict__ w,        // weights, updated
                       P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
                       const G* __restrict__ g,  // gradient, read as g * gm
                       T* __restrict__ v,        // momentum buffer, updated
@@ -308,7 +296,7 @@ void lars_pass2_chunk(W* __restrict__ w,        // weights, updated
 }
 
 template <typename W, typename G, typename P, typename T>
-void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t n, const T gm,
+FUSEDOPT_INLINE void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t n, const T gm,
                           const LarsCoef<T>& c) {
   if (c.lr_in_momentum) {
     if (c.nesterov) lars_pass2_chunk<true, true>(w, p, g, v, n, gm, c);
@@ -337,14 +325,15 @@ at::Tensor sq_norms(at::TensorList tensors) {
   }
   const ChunkTable table(numels(dense));
   std::vector<double> partial(table.size());
-  table.parallel_for([&](int64_t c, const Chunk& ch) {
-    const at::Tensor& t = dense[ch.tensor];
-    dispatch_storage(t.scalar_type(), "sq_norms inputs", [&](auto tag) {
-      using S = typename decltype(tag)::type;
-      SqSum acc;
-      acc.add(static_cast<const S*>(t.const_data_ptr()) + ch.offset, ch.len);
-      partial[c] = acc.total();
-    });
+  std::vector<at::ScalarType> dtypes(n);
+  std::vector<const void*> ptrs(n);
+  for (int64_t i = 0; i < n; ++i) {
+    dtypes[i] = dense[i].scalar_type();
+    ptrs[i] = dense[i].const_data_ptr();
+    dispatch_storage(dtypes[i], "sq_norms inputs", [](auto) {});  // rejects other dtypes
+  }
+  table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
+    partial[c] = sq_sum(dtypes[ch.tensor], ptrs[ch.tensor], ch.offset, ch.len);
   });
   at::Tensor out = at::empty({n}, at::dtype(any_double ? at::kDouble : at::kFloat));
   if (any_double) {
@@ -384,7 +373,7 @@ at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
       const auto gp = pointers<const G>(grads);
       const auto mp = pointers<T>(exp_avgs);
       const auto vp = pointers<T>(exp_avg_sqs);
-      table.parallel_for([&](int64_t c, const Chunk& ch) {
+      table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
         lamb_pass1_chunk<W, G, T>(wp[i] + o, gp[i] + o, mp[i] + o, vp[i] + o, ch.len, coef[i], gm,
                                   &partial[2 * c]);
@@ -427,7 +416,7 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
       const auto pp = params.empty() ? std::vector<P*>(n, nullptr) : pointers<P>(params);
       const auto mp = pointers<const T>(exp_avgs);
       const auto vp = pointers<const T>(exp_avg_sqs);
-      table.parallel_for([&](int64_t, const Chunk& ch) {
+      table.parallel_for([&](int64_t, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
         P* p = pp[i] == nullptr ? nullptr : pp[i] + o;
         lamb_pass2_chunk<W, P, T>(wp[i] + o, p, mp[i] + o, vp[i] + o, ch.len, coef[i], lr_phi[i],
@@ -460,7 +449,7 @@ at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
       const T lambda = static_cast<T>(h.weight_decay);
       const auto wp = pointers<const W>(weights);
       const auto gp = pointers<const G>(grads);
-      table.parallel_for([&](int64_t c, const Chunk& ch) {
+      table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
         double* out = &partial[2 * c];
         if (h.combined) {
@@ -508,7 +497,7 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
         const auto pp = params.empty() ? std::vector<P*>(n, nullptr) : pointers<P>(params);
         const auto gp = pointers<const G>(grads);
         const auto vp = pointers<T>(momentum_buffers);
-        table.parallel_for([&](int64_t, const Chunk& ch) {
+        table.parallel_for([&](int64_t, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
           const int64_t i = ch.tensor, o = ch.offset;
           P* p = pp[i] == nullptr ? nullptr : pp[i] + o;
           lars_pass2_chunk_any<W, G, P, T>(wp[i] + o, p, gp[i] + o, vp[i] + o, ch.len, gm,

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <fusedopt/math.h>
 
 #include <optional>
 
@@ -20,6 +21,44 @@ enum LarsField {
   kLarsLr, kLarsMomentum, kLarsDampening, kLarsWeightDecay, kLarsTrustCoefficient, kLarsEps,
   kLarsNesterov, kLarsTrustClip, kLarsCombined, kLarsLrInMomentum, kLarsAdapt, kLarsFields
 };
+
+// The LambHyper / LarsHyper of a `hyper` list, with its lr (the ops override it with a tensor lr).
+inline LambHyper lamb_hyper_from(at::ArrayRef<double> x) {
+  TORCH_CHECK(x.size() == kLambFields, "fusedopt: LAMB hyper has ", x.size(), " values, expected ",
+              static_cast<int>(kLambFields));
+  LambHyper h;
+  h.lr = x[kLambLr];
+  h.beta1 = x[kLambBeta1];
+  h.beta2 = x[kLambBeta2];
+  h.beta3 = x[kLambBeta3];
+  h.eps = x[kLambEps];
+  h.weight_decay = x[kLambWeightDecay];
+  h.ratio_lo = x[kLambRatioLo];
+  h.ratio_hi = x[kLambRatioHi];
+  h.bias_correction = x[kLambBiasCorrection] != 0.0;
+  h.adapt = x[kLambAdapt] != 0.0;
+  h.decoupled = x[kLambDecoupled] != 0.0;
+  h.bounded = x[kLambBounded] != 0.0;
+  return h;
+}
+
+inline LarsHyper lars_hyper_from(at::ArrayRef<double> x) {
+  TORCH_CHECK(x.size() == kLarsFields, "fusedopt: LARS hyper has ", x.size(), " values, expected ",
+              static_cast<int>(kLarsFields));
+  LarsHyper h;
+  h.lr = x[kLarsLr];
+  h.momentum = x[kLarsMomentum];
+  h.dampening = x[kLarsDampening];
+  h.weight_decay = x[kLarsWeightDecay];
+  h.trust_coefficient = x[kLarsTrustCoefficient];
+  h.eps = x[kLarsEps];
+  h.nesterov = x[kLarsNesterov] != 0.0;
+  h.trust_clip = x[kLarsTrustClip] != 0.0;
+  h.combined = x[kLarsCombined] != 0.0;
+  h.lr_in_momentum = x[kLarsLrInMomentum] != 0.0;
+  h.adapt = x[kLarsAdapt] != 0.0;
+  return h;
+}
 
 at::Tensor sq_norms(at::TensorList tensors);
 
