@@ -186,17 +186,27 @@ std::vector<T> read_sums(const at::Tensor& sums, int64_t n) {
   return std::vector<T>(p, p + 2 * n);
 }
 
-// Sum of squares of elements [offset, offset + n) of a tensor of a supported dtype.
-FUSEDOPT_INLINE double sq_sum(at::ScalarType dtype, const void* data, int64_t offset, int64_t n) {
+// Sum of squares of the n elements of x, prefetched block by block (Note [read-only prefetch]).
+template <typename S>
+FUSEDOPT_INLINE double sq_sum(const S* __restrict__ x, int64_t n) {
   SqSum acc;
-  switch (dtype) {
-    case at::kFloat: acc.add(static_cast<const float*>(data) + offset, n); break;
-    case at::kDouble: acc.add(static_cast<const double*>(data) + offset, n); break;
-    case at::kBFloat16: acc.add(static_cast<const c10::BFloat16*>(data) + offset, n); break;
-    case at::kHalf: acc.add(static_cast<const c10::Half*>(data) + offset, n); break;
-    default: break;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    prefetch_block(x, b, n);
+    acc.add(x + b, std::min(kBlock, n - b));
   }
   return acc.total();
+}
+
+// The same for elements [offset, offset + n) of a tensor of a supported dtype.
+FUSEDOPT_INLINE double sq_sum(at::ScalarType dtype, const void* data, int64_t offset,
+                              int64_t n) {
+  switch (dtype) {
+    case at::kFloat: return sq_sum(static_cast<const float*>(data) + offset, n);
+    case at::kDouble: return sq_sum(static_cast<const double*>(data) + offset, n);
+    case at::kBFloat16: return sq_sum(static_cast<const c10::BFloat16*>(data) + offset, n);
+    case at::kHalf: return sq_sum(static_cast<const c10::Half*>(data) + offset, n);
+    default: return 0.0;
+  }
 }
 
 template <typename P, typename T>
@@ -210,11 +220,12 @@ FUSEDOPT_INLINE void store_param(P* p, int64_t k, T value) {
 // LAMB pass 1: m <- beta1*m + beta3*g ; v <- beta2*v + (1-beta2)*g^2 (written back);
 // u = lamb_direction(w, m, v); out[0] = sum w^2, out[1] = sum u^2 over the chunk.
 template <typename W, typename G, typename T>
-FUSEDOPT_INLINE void lamb_pass1_chunk(const W* __restrict__ w,  // weights (fp32 master or param), read
-                      const G* __restrict__ g,  // gradient, read as g * gm
-                      T* __restrict__ m,        // exp_avg, updated
-                      T* __restrict__ v,        // exp_avg_sq, updated
-                      int64_t n, const LambCoef<T> c, const T gm, double* out) {
+FUSEDOPT_INLINE void lamb_pass1_chunk(
+    const W* __restrict__ w,  // weights (fp32 master or param), read
+    const G* __restrict__ g,  // gradient, read as g * gm
+    T* __restrict__ m,        // exp_avg, updated
+    T* __restrict__ v,        // exp_avg_sq, updated
+    int64_t n, const LambCoef<T> c, const T gm, double* out) {
   alignas(64) T wb[kBlock];
   alignas(64) T ub[kBlock];
   SqSum w_sq, u_sq;
@@ -240,11 +251,12 @@ FUSEDOPT_INLINE void lamb_pass1_chunk(const W* __restrict__ w,  // weights (fp32
 // LAMB pass 2: u = lamb_direction(w, m, v) (the same call as pass 1), w <- w*decay - lr_phi*u;
 // with masters the param gets the new weight rounded to nearest even.
 template <typename W, typename P, typename T>
-FUSEDOPT_INLINE void lamb_pass2_chunk(W* __restrict__ w,        // weights, updated
-                      P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
-                      const T* __restrict__ m,  // exp_avg, read
-                      const T* __restrict__ v,  // exp_avg_sq, read
-                      int64_t n, const LambCoef<T> c, const T lr_phi, const T decay) {
+FUSEDOPT_INLINE void lamb_pass2_chunk(
+    W* __restrict__ w,        // weights, updated
+    P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
+    const T* __restrict__ m,  // exp_avg, read
+    const T* __restrict__ v,  // exp_avg_sq, read
+    int64_t n, const LambCoef<T> c, const T lr_phi, const T decay) {
   for (int64_t k = 0; k < n; ++k) {
     const T wk = static_cast<T>(w[k]);
     const T nw = lamb_apply<T>(wk, lamb_direction<T>(wk, m[k], v[k], c), lr_phi, decay);
@@ -255,14 +267,17 @@ FUSEDOPT_INLINE void lamb_pass2_chunk(W* __restrict__ w,        // weights, upda
 
 // LARS pass 1: out[0] = sum w^2; out[1] = sum g^2, or sum (g + lambda*w)^2 when kCombined.
 template <bool kCombined, typename W, typename G, typename T>
-FUSEDOPT_INLINE void lars_pass1_chunk(const W* __restrict__ w,  // weights, read
-                      const G* __restrict__ g,  // gradient, read as g * gm
-                      int64_t n, const T gm, const T lambda, double* out) {
+FUSEDOPT_INLINE void lars_pass1_chunk(
+    const W* __restrict__ w,  // weights, read
+    const G* __restrict__ g,  // gradient, read as g * gm
+    int64_t n, const T gm, const T lambda, double* out) {
   alignas(64) T wb[kBlock];
   alignas(64) T gb[kBlock];
   SqSum w_sq, g_sq;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
+    prefetch_block(w, b, n);  // Note [read-only prefetch]
+    prefetch_block(g, b, n);
     for (int64_t k = 0; k < len; ++k) {
       const T wk = static_cast<T>(w[b + k]);
       const T gk = static_cast<T>(g[b + k]) * gm;
@@ -279,11 +294,12 @@ FUSEDOPT_INLINE void lars_pass1_chunk(const W* __restrict__ w,  // weights, read
 // LARS pass 2: lars_apply (d = ratio*(g + lambda*w), momentum, w <- w - step). The two structural
 // switches of LarsCoef are made compile-time constants here so that each variant vectorizes.
 template <bool kLrInMomentum, bool kNesterov, typename W, typename G, typename P, typename T>
-FUSEDOPT_INLINE void lars_pass2_chunk(W* __restrict__ w,        // weights, updated
-                      P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
-                      const G* __restrict__ g,  // gradient, read as g * gm
-                      T* __restrict__ v,        // momentum buffer, updated
-                      int64_t n, const T gm, LarsCoef<T> c) {
+FUSEDOPT_INLINE void lars_pass2_chunk(
+    W* __restrict__ w,        // weights, updated
+    P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
+    const G* __restrict__ g,  // gradient, read as g * gm
+    T* __restrict__ v,        // momentum buffer, updated
+    int64_t n, const T gm, LarsCoef<T> c) {
   c.lr_in_momentum = kLrInMomentum;
   c.nesterov = kNesterov;
   for (int64_t k = 0; k < n; ++k) {
@@ -297,7 +313,7 @@ FUSEDOPT_INLINE void lars_pass2_chunk(W* __restrict__ w,        // weights, upda
 
 template <typename W, typename G, typename P, typename T>
 FUSEDOPT_INLINE void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t n, const T gm,
-                          const LarsCoef<T>& c) {
+                                          const LarsCoef<T>& c) {
   if (c.lr_in_momentum) {
     if (c.nesterov) lars_pass2_chunk<true, true>(w, p, g, v, n, gm, c);
     else lars_pass2_chunk<true, false>(w, p, g, v, n, gm, c);

@@ -1,0 +1,407 @@
+"""The C++ CPU backend (backend="cpp"): against the float64 reference, against eager, and against
+itself (thread counts, checkpoints); its torch.ops.fusedopt.* operators and their fake kernels."""
+import copy
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fusedopt
+from fusedopt import backends
+from helpers import (
+    LAMB_CASES,
+    LARS_CASES,
+    SHAPES_SMALL,
+    assert_within_rounding,
+    make_tensors,
+    max_rel_err,
+    run_backend,
+    tols,
+)
+
+CPP = backends.get_backend("cpp")
+pytestmark = pytest.mark.skipif(
+    CPP is None, reason=f"fusedopt._C is not built: {backends.load_error('cpp')}")
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
+LOW = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+HYPER = {"lamb": {}, "lars": dict(weight_decay=1e-4)}
+# kChunk (csrc/cpu/multi_tensor.h) is 32768: 70001 elements span three chunks.
+MULTI_CHUNK = [(70001,), (256, 300)]
+ZOO = SHAPES_SMALL + [(18011,)] + MULTI_CHUNK
+
+
+def _opt(kind, params, **kw):
+    if kind == "lamb":
+        return fusedopt.FusedLAMB(params, backend="cpp", **kw)
+    return fusedopt.FusedLARS(params, backend="cpp", **{"lr": 0.5, **HYPER["lars"], **kw})
+
+
+def _set_grads(params, seed, dtype=None):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        if dtype not in (None, p.dtype) and hasattr(p, "grad_dtype"):
+            p.grad_dtype = dtype  # torch >= 2.10 checks grad dtypes unless told otherwise
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype or p.dtype)
+
+
+def _snapshot(params, opt):
+    """Every tensor the step may touch: params and all state (incl. steps and masters)."""
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        out += [v.clone() for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+
+
+# ------------------------------------------------------------------ float64 reference, per flag
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(LAMB_CASES))
+def test_lamb_matches_reference(case, dtype):
+    params, ref, _ = run_backend("lamb", "cpp", ZOO, LAMB_CASES[case], dtype=dtype, steps=5,
+                                 zero_weight=1, zero_grad=3, excluded=(5,))
+    assert max_rel_err(params, ref) <= tols(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(LARS_CASES))
+def test_lars_matches_reference(case, dtype):
+    params, ref, _ = run_backend("lars", "cpp", ZOO, LARS_CASES[case], dtype=dtype, steps=5,
+                                 zero_weight=1, zero_grad=3, excluded=(5,))
+    assert max_rel_err(params, ref) <= tols(dtype)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_4000_tiny_tensors(kind):
+    shapes = [(3,)] * 4000 + [(18011,)]
+    params, ref, _ = run_backend(kind, "cpp", shapes, HYPER[kind], steps=2, zero_weight=7)
+    assert max_rel_err(params, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_bf16_grads_with_fp32_params(kind):
+    params, ref, _ = run_backend(kind, "cpp", ZOO, HYPER[kind], grad_dtype=torch.bfloat16)
+    assert max_rel_err(params, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("master_weights", [True, False], ids=["masters", "no_masters"])
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_low_precision_within_rounding(kind, dtype, master_weights):
+    """bf16/fp16 params (and grads): |cpp - ref64| <= 2 |eager - ref64| + atol, elementwise."""
+    kw = dict(dtype=dtype, master_weights=master_weights, steps=4, zero_grad=3)
+    fast, ref, opt = run_backend(kind, "cpp", ZOO, HYPER[kind], **kw)
+    slow, _, _ = run_backend(kind, "eager", ZOO, HYPER[kind], **kw)
+    atol = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    assert_within_rounding(fast, slow, ref, atol)
+    if master_weights:  # the param is its master rounded to nearest even
+        for p in fast:
+            torch.testing.assert_close(p.detach(), opt.state[p]["master_param"].to(dtype),
+                                       rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------ against eager
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_close_to_eager(kind):
+    cases = {"lamb": dict(decoupled_weight_decay=True, weight_decay=0.1), "lars": HYPER["lars"]}
+    fast, _, _ = run_backend(kind, "cpp", ZOO, cases[kind], steps=5)
+    slow, _, _ = run_backend(kind, "eager", ZOO, cases[kind], steps=5)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=2e-6, atol=1e-7)
+
+
+def test_sq_norms():
+    gen = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=gen, dtype=torch.float64) for s in [(0,), (1,), (70001,), (9, 7)]]
+    ts.append(torch.randn(5, 8, generator=gen, dtype=torch.float64).t())  # dense, transposed
+    ts.append(torch.randn(6, 8, generator=gen, dtype=torch.float64)[:, ::2])  # not dense
+    expected = torch.stack([(t * t).sum() for t in ts])
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        low = [t.to(dtype) for t in ts]
+        got = CPP.sq_norms(low)
+        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        exact = torch.stack([(t.double() ** 2).sum() for t in low])
+        torch.testing.assert_close(got.double(), exact, rtol=1e-6 if dtype != torch.float64 else 1e-13,
+                                   atol=0)
+    torch.testing.assert_close(CPP.sq_norms(ts), expected, rtol=1e-13, atol=0)
+
+
+def test_auto_picks_cpp_on_cpu():
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        assert backends.resolve("auto", torch.device("cpu"), dtype, torch.bfloat16) is CPP
+    assert "CPU tensors only" in CPP.unavailable_reason(torch.device("cuda"), torch.float32,
+                                                       torch.float32)
+    assert "int8" in CPP.unavailable_reason(torch.device("cpu"), torch.float32, torch.int8)
+
+
+def test_missing_extension_raises_with_guidance(monkeypatch):
+    from fusedopt.backends import cpp
+
+    monkeypatch.delattr(fusedopt, "_C", raising=False)
+    monkeypatch.setitem(sys.modules, "fusedopt._C", None)
+    with pytest.raises(ImportError, match="pip install --no-build-isolation -e ."):
+        cpp.CppBackend()
+
+
+# --------------------------------------------------------------------- grad_mult and found_inf
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_grad_scale_unscales(kind):
+    """opt.grad_scale (GradScaler's protocol): grads read as g / scale, never modified."""
+    a = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+    b = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+    opt_a, opt_b = _opt(kind, a, max_grad_norm=1.0), _opt(kind, b, max_grad_norm=1.0)
+    opt_b.grad_scale = torch.tensor(1024.0)
+    for step in range(3):
+        _set_grads(a, step)
+        _set_grads(b, step)
+        for p in b:
+            p.grad.mul_(1024.0)
+        scaled = [p.grad.clone() for p in b]
+        opt_a.step()
+        opt_b.step()
+        _assert_bitwise([p.grad for p in b], scaled)
+    for x, y in zip(a, b):  # scaling by a power of two is exact
+        _assert_bitwise([x.detach()], [y.detach()])
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16_masters")])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_found_inf_changes_nothing(kind, dtype):
+    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, dtype, 0)]
+    opt = _opt(kind, params, max_grad_norm=1.0)
+    _set_grads(params, 0)
+    opt.step()
+    before = _snapshot(params, opt)
+    opt.grad_scale, opt.found_inf = torch.tensor(2.0), torch.tensor(1.0)
+    _set_grads(params, 1)
+    opt.step()
+    _assert_bitwise(_snapshot(params, opt), before)
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    assert all(opt.state[p]["step"].item() == 2 for p in params)
+
+
+def test_tensor_lr_equals_float_lr():
+    for kind in ("lamb", "lars"):
+        runs = []
+        for lr in (0.01, torch.tensor(0.01, dtype=torch.float64)):
+            ps = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+            opt = _opt(kind, ps, lr=lr)
+            for step in range(3):
+                _set_grads(ps, step)
+                opt.step()
+            runs.append(_snapshot(ps, opt))
+        _assert_bitwise(*runs)
+
+
+# ------------------------------------------------------------------------------ determinism
+
+def _run_steps(kind, shapes, steps, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params = [torch.nn.Parameter(t) for t in make_tensors(shapes, torch.float32, 0)]
+        opt = _opt(kind, params, max_grad_norm=1.0)
+        for step in range(steps):
+            _set_grads(params, step)
+            opt.step()
+        norms = CPP.sq_norms([p.detach() for p in params])
+        return _snapshot(params, opt) + [norms]
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_bit_identical_for_1_and_2_threads(kind):
+    shapes = [(300_001,), (5,)] * 2 + [(70001,)] + [(100,)] * 50
+    one = _run_steps(kind, shapes, 3, threads=1)
+    two = _run_steps(kind, shapes, 3, threads=2)
+    _assert_bitwise(one, two)
+    _assert_bitwise(two, _run_steps(kind, shapes, 3, threads=2))
+
+
+def _digest():
+    """sha256 of every tensor after a few steps of each optimizer and storage dtype."""
+    h = hashlib.sha256()
+    shapes = [(70001,), (4097,), (5,)]
+    for kind in ("lamb", "lars"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            params = [torch.nn.Parameter(t) for t in make_tensors(shapes, dtype, 0)]
+            opt = _opt(kind, params, max_grad_norm=1.0)
+            for step in range(2):
+                _set_grads(params, step, torch.bfloat16 if dtype == torch.float32 else None)
+                opt.step()
+            for t in _snapshot(params, opt) + [CPP.sq_norms([p.detach() for p in params])]:
+                h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT",
+                    reason="this CPU has no AVX2: only the baseline clone runs")
+def test_avx2_and_baseline_clones_are_bit_identical():
+    """Note [ISA clones] in csrc/cpu/multi_tensor.h: the AVX2 kernels give the baseline's bits."""
+    env = {**os.environ, "FUSEDOPT_CPU_ISA": "baseline", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", "import test_cpp; print(test_cpp._digest())"],
+                         env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == _digest()
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_state_dict_round_trip_continues_bit_for_bit(kind):
+    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.bfloat16, 0)]
+    opt = _opt(kind, params)
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    saved_params = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict())
+    for step in range(2, 4):
+        _set_grads(params, step)
+        opt.step()
+    resumed = [torch.nn.Parameter(p) for p in saved_params]
+    opt2 = _opt(kind, resumed)
+    opt2.load_state_dict(saved)
+    for step in range(2, 4):
+        _set_grads(resumed, step)
+        opt2.step()
+    _assert_bitwise(_snapshot(params, opt), _snapshot(resumed, opt2))
+
+
+# --------------------------------------------------------------------------- torch operators
+
+def _op_args(kind, n=3, masters=False):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7,), (3, 4), (0,)][:n]
+    dtype = torch.bfloat16 if masters else torch.float32
+    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    weights = [p.float() for p in params] if masters else params
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    steps = [torch.zeros((), dtype=torch.float32) for _ in shapes]
+    lowp = params if masters else []
+    gm, fi = torch.tensor(0.5), torch.tensor(0.0)
+    sums = torch.rand(len(shapes), 2, generator=gen)
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    ops = torch.ops.fusedopt
+    if kind == "lamb":
+        from fusedopt.backends.cpp import LAMB_FIELDS
+        hyper = [0.1, 0.9, 0.999, 0.1, 1e-6, 0.01, 0.0, float("inf"), 1, 1, 0, 0]
+        assert len(hyper) == len(LAMB_FIELDS)
+        m = [torch.zeros(s) for s in shapes]
+        v = [torch.zeros(s) for s in shapes]
+        return [(ops.lamb_pass1.default, (weights, grads, m, v, steps, hyper, gm, fi)),
+                (ops.lamb_pass2.default, (weights, lowp, m, v, steps, sums, hyper, lr, fi))]
+    from fusedopt.backends.cpp import LARS_FIELDS
+    hyper = [0.1, 0.9, 0.0, 1e-4, 1e-3, 1e-8, 0, 0, 0, 1, 1]
+    assert len(hyper) == len(LARS_FIELDS)
+    buf = [torch.zeros(s) for s in shapes]
+    return [(ops.lars_pass1.default, (weights, grads, steps, hyper, gm, fi)),
+            (ops.lars_pass2.default, (weights, lowp, grads, buf, steps, sums, hyper, lr, gm, fi))]
+
+
+@pytest.mark.parametrize("masters", [False, True], ids=["plain", "masters"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_opcheck(kind, masters):
+    """Schemas (mutation annotations), fake kernels and AOT dispatch of the operators."""
+    for op, args in _op_args(kind, masters=masters):
+        torch.library.opcheck(op, args)
+    gen = torch.Generator().manual_seed(0)
+    torch.library.opcheck(torch.ops.fusedopt.sq_norms.default,
+                          ([torch.randn(5, generator=gen), torch.randn(0), torch.randn(3, 2)],))
+
+
+def test_fake_tensor_mode():
+    """The fake kernels give the shapes and dtypes of the real ones, without touching data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake(mode, a):
+        if isinstance(a, torch.Tensor):
+            return mode.from_tensor(a)
+        if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+            return [mode.from_tensor(x) for x in a]
+        return a
+
+    with FakeTensorMode() as mode:
+        for kind in ("lamb", "lars"):
+            (op1, args1), (op2, args2) = _op_args(kind)
+            sums = op1(*[fake(mode, a) for a in args1])
+            assert sums.shape == (3, 2) and sums.dtype == torch.float32
+            assert op2(*[fake(mode, a) for a in args2]) is None
+        out = torch.ops.fusedopt.sq_norms([torch.empty(4, dtype=torch.float64), torch.empty(2, 3)])
+        assert out.shape == (2,) and out.dtype == torch.float64
+
+
+# --------------------------------------------------------------------------------- memory
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_step_allocates_no_parameter_sized_memory(kind):
+    """Only O(n_tensors) tables are allocated inside step(), never a parameter-sized temporary."""
+    params = [torch.nn.Parameter(torch.randn(1_000_000)), torch.nn.Parameter(torch.randn(7, 3))]
+    opt = _opt(kind, params, max_grad_norm=1.0)
+    _set_grads(params, 0)
+    opt.step()  # creates the state
+    _set_grads(params, 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        opt.step()
+    allocs = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert allocs, "the profiler recorded no allocation at all (the check would be vacuous)"
+    assert max(allocs) < 4096, f"allocations during step(): {sorted(allocs)[-5:]} bytes"
+
+
+# ------------------------------------------------------------------------------- properties
+
+lamb_hyper = st.fixed_dictionaries({}, optional={
+    "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.0, 0.9999)),
+    "eps": st.sampled_from([0.0, 1e-8, 1e-3]),
+    "weight_decay": st.sampled_from([0.0, 0.1]),
+    "bias_correction": st.booleans(),
+    "grad_averaging": st.booleans(),
+    "max_grad_norm": st.sampled_from([None, 0.1]),
+    "trust_ratio_bounds": st.sampled_from([None, (0.9, 1.1)]),
+    "decoupled_weight_decay": st.booleans(),
+    "adapt": st.booleans(),
+})
+lars_hyper = st.fixed_dictionaries({}, optional={
+    "momentum": st.sampled_from([0.0, 0.9]),
+    "weight_decay": st.sampled_from([0.0, 1e-2]),
+    "trust_coefficient": st.sampled_from([1e-3, 1.0]),
+    "trust_clip": st.booleans(),
+    "denominator": st.sampled_from(["sum", "combined"]),
+    "lr_in_momentum": st.booleans(),
+    "dampening": st.sampled_from([0.0, 0.5]),
+    "max_grad_norm": st.sampled_from([None, 0.1]),
+    "adapt": st.booleans(),
+})
+shapes_st = st.lists(st.lists(st.integers(0, 9), max_size=3).map(tuple), min_size=1, max_size=4)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hyper=lamb_hyper, shapes=shapes_st, seed=st.integers(0, 2 ** 16))
+def test_lamb_property(hyper, shapes, seed):
+    params, ref, _ = run_backend("lamb", "cpp", shapes, hyper, dtype=torch.float64, steps=3, seed=seed)
+    assert max_rel_err(params, ref) <= 1e-10
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hyper=lars_hyper, shapes=shapes_st, seed=st.integers(0, 2 ** 16), nesterov=st.booleans())
+def test_lars_property(hyper, shapes, seed, nesterov):
+    if nesterov and hyper.get("momentum", 0.9) > 0:
+        hyper = {**hyper, "nesterov": True, "dampening": 0.0}
+    params, ref, _ = run_backend("lars", "cpp", shapes, hyper, dtype=torch.float64, steps=3, seed=seed)
+    assert max_rel_err(params, ref) <= 1e-10
