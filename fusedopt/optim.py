@@ -110,31 +110,29 @@ class _TrustRatioOptimizer(Optimizer):
         return state
 
     # ----------------------------------------------------------------- step
-    def _check_group(self, gi: int, ps: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
-        """Raise on bad input of one group before anything is modified (set-based: cheap for
-        thousands of tensors)."""
+    def _check_group(self, gi: int, ps: list[torch.Tensor], gs: list[torch.Tensor]):
+        """Raise on bad input of one group before anything is modified; return the group's
+        (devices, param dtypes, grad dtypes). Set-based: cheap for thousands of tensors. Shapes and
+        grad devices need no check: torch's ``.grad`` setter and autograd guarantee they match the
+        param (the compiled backends check numel and strides again)."""
         name = type(self).__name__
         if any(lay is not torch.strided for lay in set(map(_LAYOUT, gs))):
             raise RuntimeError(f"{name} does not support sparse gradients (param group {gi})")
-        dtypes = set(map(_DTYPE, ps)) | set(map(_DTYPE, gs))
+        p_dtypes, g_dtypes = set(map(_DTYPE, ps)), set(map(_DTYPE, gs))
+        dtypes = p_dtypes | g_dtypes
         if any(d.is_complex for d in dtypes):
             raise RuntimeError(f"{name} does not support complex params (param group {gi}: {sorted(map(str, dtypes))})")
         if not all(d.is_floating_point for d in dtypes):
             raise RuntimeError(
                 f"{name} needs floating-point params and grads (param group {gi}: {sorted(map(str, dtypes))})"
             )
-        devices = set(map(_DEVICE, ps)) | set(map(_DEVICE, gs))
+        devices = set(map(_DEVICE, ps))
         if len(devices) > 1:
             raise RuntimeError(
-                f"params of one group must be on one device; param group {gi} has params and grads on "
+                f"params of one group must be on one device; param group {gi} has params on "
                 f"{sorted(str(d) for d in devices)}"
             )
-        if list(map(_SHAPE, ps)) != list(map(_SHAPE, gs)):
-            bad = next(i for i, (p, g) in enumerate(zip(ps, gs)) if p.shape != g.shape)
-            raise RuntimeError(
-                f"grad of shape {tuple(gs[bad].shape)} does not match its param of shape "
-                f"{tuple(ps[bad].shape)} (param group {gi})"
-            )
+        return devices, p_dtypes, g_dtypes
 
     def _build_plan(self):
         staged = []
@@ -142,8 +140,11 @@ class _TrustRatioOptimizer(Optimizer):
             ps = [p for p in group["params"] if p.grad is not None]
             gs = [p.grad for p in ps]
             lps, lgs = (list(map(_local, ps)), list(map(_local, gs))) if _any_dtensor(ps) else (ps, gs)
-            self._check_group(gi, lps, lgs)
-            keys = list(zip(map(_DEVICE, lps), map(_DTYPE, lps), map(_DTYPE, lgs)))
+            devices, p_dtypes, g_dtypes = self._check_group(gi, lps, lgs)
+            if len(p_dtypes) == 1 and len(g_dtypes) == 1:  # the common case: one bucket
+                keys = [(*devices, *p_dtypes, *g_dtypes)] * len(ps)
+            else:
+                keys = list(zip(map(_DEVICE, lps), map(_DTYPE, lps), map(_DTYPE, lgs)))
             staged.append((group, ps, lps, lgs, keys, lps is not ps))
         # Resolve every backend before any state is created, so a refusal changes nothing.
         backends_of = [{k: _backends.resolve(group["backend"], *k) for k in set(keys)}

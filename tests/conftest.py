@@ -12,3 +12,13 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
+
+# Two xdist workers share the machine's cores: one intra-op thread each avoids oversubscribed
+# OpenMP regions (tests that are about threads set their own counts).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
