@@ -24,23 +24,14 @@ import os
 
 import torch
 
-from . import Backend, get_backend, load_error
-from ..functional import Bucket
-from .._hyper import LambHyper, LarsHyper
-# The operators, their ``hyper`` field order and argument helpers are shared with the CPU backend.
-from .cpp import LAMB_FIELDS, LARS_FIELDS, _hyper_args, _low_precision_params
+from .cpp import CppBackend
 
 _LOW = (torch.float32, torch.bfloat16, torch.float16)
 _BUILD_ERRORS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_errors.txt")
 
 
-def _load_extension() -> None:
-    """Import ``fusedopt._C`` (operator schemas) and ``fusedopt._cuda`` (their CUDA kernels)."""
-    if get_backend("cpp") is None:
-        raise ImportError(
-            "the cuda backend uses the operators defined by the C++ extension fusedopt._C, which "
-            f"is not available: {load_error('cpp')}"
-        )
+def _load_cuda_extension() -> None:
+    """Import ``fusedopt._cuda`` (the CUDA kernels of the operators), or raise ImportError."""
     try:
         from .. import _cuda  # noqa: F401
     except ImportError as e:
@@ -57,12 +48,14 @@ def _load_extension() -> None:
         raise ImportError(msg) from e
 
 
-class CudaBackend(Backend):
+class CudaBackend(CppBackend):
+    """The C++ backend's operators and passes; the CUDA kernels behind them and CUDA's dtype rules."""
+
     name = "cuda"
 
     def __init__(self):
-        _load_extension()
-        self._ops = torch.ops.fusedopt
+        super().__init__()  # fusedopt._C: the operator schemas and fakes
+        _load_cuda_extension()
 
     def unavailable_reason(self, device, param_dtype, grad_dtype):
         if device.type != "cuda":
@@ -88,24 +81,3 @@ class CudaBackend(Backend):
         if not tensors:
             return torch.zeros(0)
         return self._ops.sq_norms(tensors)
-
-    # ----------------------------------------------------------------- LAMB
-    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
-        hyper, _ = _hyper_args(h, LAMB_FIELDS, b.device)
-        return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, hyper,
-                                    grad_mult, found_inf)
-
-    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
-        hyper, lr = _hyper_args(h, LAMB_FIELDS, b.device)
-        self._ops.lamb_pass2(b.weights, _low_precision_params(b), b.exp_avgs, b.exp_avg_sqs,
-                             b.steps, sums, hyper, lr, found_inf)
-
-    # ----------------------------------------------------------------- LARS
-    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
-        hyper, _ = _hyper_args(h, LARS_FIELDS, b.device)
-        return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)
-
-    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
-        hyper, lr = _hyper_args(h, LARS_FIELDS, b.device)
-        self._ops.lars_pass2(b.weights, _low_precision_params(b), b.grads, b.momentum_buffers,
-                             b.steps, sums, hyper, lr, grad_mult, found_inf)
