@@ -101,44 +101,10 @@ DeviceScalars device_scalars(const std::optional<at::Tensor>& grad_mult,
   return s;
 }
 
-LambHyper lamb_hyper(at::ArrayRef<double> x) {
-  using namespace fusedopt::cpu;
-  TORCH_CHECK(x.size() == kLambFields, kWho, "LAMB hyper has ", x.size(), " values, expected ",
-              static_cast<int>(kLambFields));
-  LambHyper h;
-  h.lr = x[kLambLr];
-  h.beta1 = x[kLambBeta1];
-  h.beta2 = x[kLambBeta2];
-  h.beta3 = x[kLambBeta3];
-  h.eps = x[kLambEps];
-  h.weight_decay = x[kLambWeightDecay];
-  h.ratio_lo = x[kLambRatioLo];
-  h.ratio_hi = x[kLambRatioHi];
-  h.bias_correction = x[kLambBiasCorrection] != 0.0;
-  h.adapt = x[kLambAdapt] != 0.0;
-  h.decoupled = x[kLambDecoupled] != 0.0;
-  h.bounded = x[kLambBounded] != 0.0;
-  return h;
-}
+// The hyper-parameter lists are parsed as by the CPU operators (csrc/cpu/ops.h).
+LambHyper lamb_hyper(at::ArrayRef<double> x) { return fusedopt::cpu::lamb_hyper_from(x); }
 
-LarsHyper lars_hyper(at::ArrayRef<double> x) {
-  using namespace fusedopt::cpu;
-  TORCH_CHECK(x.size() == kLarsFields, kWho, "LARS hyper has ", x.size(), " values, expected ",
-              static_cast<int>(kLarsFields));
-  LarsHyper h;
-  h.lr = x[kLarsLr];
-  h.momentum = x[kLarsMomentum];
-  h.dampening = x[kLarsDampening];
-  h.weight_decay = x[kLarsWeightDecay];
-  h.trust_coefficient = x[kLarsTrustCoefficient];
-  h.eps = x[kLarsEps];
-  h.nesterov = x[kLarsNesterov] != 0.0;
-  h.trust_clip = x[kLarsTrustClip] != 0.0;
-  h.combined = x[kLarsCombined] != 0.0;
-  h.lr_in_momentum = x[kLarsLrInMomentum] != 0.0;
-  h.adapt = x[kLarsAdapt] != 0.0;
-  return h;
-}
+LarsHyper lars_hyper(at::ArrayRef<double> x) { return fusedopt::cpu::lars_hyper_from(x); }
 
 // The raw pointers of a bucket's lists; owns the arrays BucketPtrs points into.
 struct Pointers {
