@@ -5,8 +5,9 @@
 """
 from __future__ import annotations
 
-from itertools import chain
-from operator import attrgetter, methodcaller
+from dataclasses import dataclass
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, itemgetter, methodcaller
 from typing import Any, Callable
 
 import torch
@@ -55,6 +56,28 @@ def _dense_layout(t: torch.Tensor) -> bool:
     return True
 
 
+@dataclass
+class _GroupCache:
+    """What a param group's single bucket was built from, reused while nothing changed.
+
+    Note [plan cache]: gathering thousands of tensors into lists costs Python time on every step.
+    A group whose params with grads, state tensors, dtypes and options are the same objects as
+    at the last step, with contiguous tensors throughout, reuses the lists of the last step and
+    only takes the new grads (checked for layout, dtype and contiguity). Anything else takes the
+    full path, which validates and rebuilds. ``load_state_dict`` and replacing a state tensor are
+    detected; replacing a param's whole state dict by hand is not (use ``load_state_dict``).
+    """
+
+    params: list[torch.Tensor]
+    state: Any  # the optimizer's state mapping the lists came from
+    states: list[dict[str, Any]]
+    options: tuple  # (backend, master_weights) of the group
+    p_dtype: torch.dtype
+    g_dtype: torch.dtype
+    backend: _backends.Backend
+    lists: dict[str, list[torch.Tensor]]  # Bucket fields except grads
+
+
 class _TrustRatioOptimizer(Optimizer):
     """Shared machinery of LAMB and LARS: validation, state, buckets, dispatch."""
 
@@ -65,6 +88,7 @@ class _TrustRatioOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any]):
         super().__init__(params, defaults)
+        self._plan_cache: dict[int, _GroupCache] = {}
 
     # ---------------------------------------------------------------- groups
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -87,6 +111,7 @@ class _TrustRatioOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._plan_cache = {}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -134,11 +159,43 @@ class _TrustRatioOptimizer(Optimizer):
             )
         return devices, p_dtypes, g_dtypes
 
+    def _cached(self, gi: int, group: dict[str, Any], ps, gs) -> _GroupCache | None:
+        """The group's cache entry if it still describes ``ps`` (see Note [plan cache])."""
+        c = self._plan_cache.get(gi)
+        if (c is None or c.state is not self.state or len(ps) != len(c.params)
+                or c.options != (group["backend"], group["master_weights"])
+                or not all(map(is_, ps, c.params))):
+            return None
+        for name in self._state_keys + ("step", "master_param"):
+            cached = c.lists.get("masters" if name == "master_param" else name + "s")
+            if cached is not None and not all(map(is_, map(itemgetter(name), c.states), cached)):
+                return None
+        if (set(map(_DTYPE, ps)) != {c.p_dtype} or set(map(_DTYPE, gs)) != {c.g_dtype}
+                or set(map(_LAYOUT, gs)) != {torch.strided} or not all(map(_CONTIGUOUS, gs))):
+            return None
+        return c
+
+    def _remember(self, gi, group, ps, states, backend, b: Bucket) -> None:
+        lists = {k: v for k, v in vars(b).items() if isinstance(v, list) and k not in ("grads", "writeback")}
+        self._plan_cache[gi] = _GroupCache(
+            params=ps, state=self.state, states=states,
+            options=(group["backend"], group["master_weights"]), p_dtype=b.param_dtype,
+            g_dtype=b.grad_dtype, backend=backend, lists=lists)
+
     def _build_plan(self):
         staged = []
         for gi, group in enumerate(self.param_groups):
-            ps = [p for p in group["params"] if p.grad is not None]
-            gs = [p.grad for p in ps]
+            gs = [p.grad for p in group["params"]]
+            if any(map(is_, gs, repeat(None))):  # skip params without grads
+                has = [g is not None for g in gs]
+                ps, gs = list(compress(group["params"], has)), list(compress(gs, has))
+            else:
+                ps = list(group["params"])
+            hit = self._cached(gi, group, ps, gs) if ps else None
+            if hit is not None:
+                staged.append((group, hit, None, gs, None, None))
+                continue
+            self._plan_cache.pop(gi, None)
             lps, lgs = (list(map(_local, ps)), list(map(_local, gs))) if _any_dtensor(ps) else (ps, gs)
             devices, p_dtypes, g_dtypes = self._check_group(gi, lps, lgs)
             if len(p_dtypes) == 1 and len(g_dtypes) == 1:  # the common case: one bucket
@@ -148,12 +205,18 @@ class _TrustRatioOptimizer(Optimizer):
             staged.append((group, ps, lps, lgs, keys, lps is not ps))
         # Resolve every backend before any state is created, so a refusal changes nothing.
         backends_of = [{k: _backends.resolve(group["backend"], *k) for k in set(keys)}
-                       for group, _, _, _, keys, _ in staged]
+                       if keys is not None else None for group, _, _, _, keys, _ in staged]
         plan = []
         # id(bucket) -> params of its rows, DTensors kept: what fusedopt.distributed reduces over
         self._bucket_params = {}
         record = any(s[-1] for s in staged)
-        for (group, ps, lps, lgs, keys, sharded), resolved in zip(staged, backends_of):
+        for gi, ((group, ps, lps, lgs, keys, sharded), resolved) in enumerate(zip(staged, backends_of)):
+            if isinstance(ps, _GroupCache):
+                b = Bucket(grads=lgs, **ps.lists)
+                if record:
+                    self._bucket_params[id(b)] = ps.params
+                plan.append((self._hyper(group), [(ps.backend, b)]))
+                continue
             states = [self.state[p] for p in ps]
             for p, st in zip(ps, states):
                 if not st:
@@ -170,6 +233,8 @@ class _TrustRatioOptimizer(Optimizer):
             if record:
                 for (_, b), idx in zip(entries, [ix for k, ix in by_key.items() if k is not None]):
                     self._bucket_params[id(b)] = [ps[i] for i in idx]
+            elif len(entries) == 1 and not entries[0][1].writeback:
+                self._remember(gi, group, ps, states, *entries[0])
             plan.append((self._hyper(group), entries))
         return plan
 

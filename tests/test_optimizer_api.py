@@ -397,3 +397,44 @@ def test_excluded_group_gets_plain_update(kind):
     else:
         expected = before - 0.1 * g
     torch.testing.assert_close(bias.detach(), expected, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- plan cache (optim.py)
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind):
+    m = model()
+    opt = OPTS[kind](m.parameters())
+    train(opt, m, 2)
+    assert opt._plan_cache, "a steady group should be cached"
+    key = "exp_avg" if kind == "lamb" else "momentum_buffer"
+    w = m[0].weight
+    fresh = torch.zeros_like(opt.state[w][key])
+    opt.state[w][key] = fresh  # replaced by hand: the next step must update the new tensor
+    train(opt, m, 1)
+    assert fresh.abs().sum() > 0
+    # a param losing its grad, a non-contiguous grad, and a changed backend all take the full path
+    m(torch.randn(4, 6)).square().mean().backward()
+    m[2].bias.grad = None
+    before = m[2].bias.detach().clone()
+    m[0].weight.grad = m[0].weight.grad.t().contiguous().t()
+    opt.param_groups[0]["backend"] = "eager"
+    opt.step()
+    assert torch.equal(m[2].bias, before)
+    assert opt.state[m[2].bias]["step"].item() == 3 and opt.state[w]["step"].item() == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_and_uncached_steps_agree(kind):
+    results = []
+    for use_cache in (True, False):
+        m = model()
+        opt = OPTS[kind](m.parameters(), backend="eager")
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            opt.zero_grad()
+            m(torch.randn(8, 6, generator=gen)).square().mean().backward()
+            if not use_cache:
+                opt._plan_cache.clear()
+            opt.step()
+        results.append([p.detach().clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
