@@ -12,6 +12,7 @@ Set-up steps are skipped when their inputs have not changed since the last run.
 """
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def setup() -> None:
     if not PY.exists():
         sh(sys.executable, "-m", "venv", str(VENV))
     pip = (str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q")
-    step_once("torch", [], *pip, TORCH)
+    step_once("torch", [], *pip, *shlex.split(TORCH))
     step_once("deps", [ROOT / "requirements-dev.txt"], *pip, "-r", "requirements-dev.txt")
     sources = [ROOT / "setup.py", ROOT / "pyproject.toml", *ROOT.glob("csrc/**/*.*")]
     step_once("project", sources, *pip, "--no-build-isolation", "-e", ".")
