@@ -158,18 +158,11 @@ cudaError_t run_pass2(const BucketPtrs& b, const LambHyper& h, const DeviceScala
 
 cudaError_t launch_lamb_pass1(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
                               void* sums, void* partials, cudaStream_t stream) {
-  if (b.weight_dtype == DType::kFloat64) {
-    if (b.grad_dtype != DType::kFloat64) return cudaErrorNotSupported;
-    return run_pass1<double, double, double>(b, h, s, static_cast<double*>(sums),
-                                             static_cast<double*>(partials), stream);
-  }
-  return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
+  return dispatch_weights_and_grads(b, [&](auto c_tag, auto w_tag, auto g_tag) {
+    using C = typename decltype(c_tag)::type;
     using W = typename decltype(w_tag)::type;
-    return dispatch_grad<W>(b.grad_dtype, [&](auto g_tag) {
-      using G = typename decltype(g_tag)::type;
-      return run_pass1<float, W, G>(b, h, s, static_cast<float*>(sums),
-                                    static_cast<float*>(partials), stream);
-    });
+    using G = typename decltype(g_tag)::type;
+    return run_pass1<C, W, G>(b, h, s, static_cast<C*>(sums), static_cast<C*>(partials), stream);
   });
 }
 

@@ -385,6 +385,21 @@ cudaError_t dispatch_grad(DType d, const F& f) {
   }
 }
 
+// Calls f(Tag<C>{}, Tag<W>{}, Tag<G>{}) with the compute, weight and grad types of a pass that
+// reads weights and grads: all float64, or float32 math for float32/float16/bfloat16 weights
+// with the grads dispatch_grad accepts. Shared by the pass-1 launchers of LAMB and LARS.
+template <typename F>
+cudaError_t dispatch_weights_and_grads(const BucketPtrs& b, const F& f) {
+  if (b.weight_dtype == DType::kFloat64) {
+    if (b.grad_dtype != DType::kFloat64) return cudaErrorNotSupported;
+    return f(Tag<double>{}, Tag<double>{}, Tag<double>{});
+  }
+  return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
+    using W = typename decltype(w_tag)::type;
+    return dispatch_grad<W>(b.grad_dtype, [&](auto g_tag) { return f(Tag<float>{}, w_tag, g_tag); });
+  });
+}
+
 // Calls f(Tag<P>{}) with P the type of the params written beside fp32 masters (W = float), or
 // NoParam when the weights are the params.
 template <typename W, typename F>
