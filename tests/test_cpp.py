@@ -8,8 +8,6 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import fusedopt
 from fusedopt import backends
@@ -362,46 +360,3 @@ def test_step_allocates_no_parameter_sized_memory(kind):
     allocs = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
     assert allocs, "the profiler recorded no allocation at all (the check would be vacuous)"
     assert max(allocs) < 4096, f"allocations during step(): {sorted(allocs)[-5:]} bytes"
-
-
-# ------------------------------------------------------------------------------- properties
-
-lamb_hyper = st.fixed_dictionaries({}, optional={
-    "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.0, 0.9999)),
-    "eps": st.sampled_from([0.0, 1e-8, 1e-3]),
-    "weight_decay": st.sampled_from([0.0, 0.1]),
-    "bias_correction": st.booleans(),
-    "grad_averaging": st.booleans(),
-    "max_grad_norm": st.sampled_from([None, 0.1]),
-    "trust_ratio_bounds": st.sampled_from([None, (0.9, 1.1)]),
-    "decoupled_weight_decay": st.booleans(),
-    "adapt": st.booleans(),
-})
-lars_hyper = st.fixed_dictionaries({}, optional={
-    "momentum": st.sampled_from([0.0, 0.9]),
-    "weight_decay": st.sampled_from([0.0, 1e-2]),
-    "trust_coefficient": st.sampled_from([1e-3, 1.0]),
-    "trust_clip": st.booleans(),
-    "denominator": st.sampled_from(["sum", "combined"]),
-    "lr_in_momentum": st.booleans(),
-    "dampening": st.sampled_from([0.0, 0.5]),
-    "max_grad_norm": st.sampled_from([None, 0.1]),
-    "adapt": st.booleans(),
-})
-shapes_st = st.lists(st.lists(st.integers(0, 9), max_size=3).map(tuple), min_size=1, max_size=4)
-
-
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(hyper=lamb_hyper, shapes=shapes_st, seed=st.integers(0, 2 ** 16))
-def test_lamb_property(hyper, shapes, seed):
-    params, ref, _ = run_backend("lamb", "cpp", shapes, hyper, dtype=torch.float64, steps=3, seed=seed)
-    assert max_rel_err(params, ref) <= 1e-10
-
-
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(hyper=lars_hyper, shapes=shapes_st, seed=st.integers(0, 2 ** 16), nesterov=st.booleans())
-def test_lars_property(hyper, shapes, seed, nesterov):
-    if nesterov and hyper.get("momentum", 0.9) > 0:
-        hyper = {**hyper, "nesterov": True, "dampening": 0.0}
-    params, ref, _ = run_backend("lars", "cpp", shapes, hyper, dtype=torch.float64, steps=3, seed=seed)
-    assert max_rel_err(params, ref) <= 1e-10
