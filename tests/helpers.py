@@ -10,6 +10,9 @@ from fusedopt.reference import ReferenceLAMB, ReferenceLARS
 
 # Shapes that break kernels: 0-size, 1 element, odd sizes, several dims.
 SHAPES_SMALL = [(3, 5), (7,), (0,), (1,), (4097,), (2, 3, 4)]
+# ...plus an odd size and tensors spanning several of the C++ backend's 32768-element chunks
+# (kChunk in csrc/cpu/multi_tensor.h): 70001 elements span three.
+SHAPES_ZOO = SHAPES_SMALL + [(18011,), (70001,), (256, 300)]
 
 # One entry per SPEC flag (and a few combinations); ids are readable in pytest output.
 LAMB_CASES = {
@@ -120,7 +123,7 @@ def tols(dtype):
     return {torch.float32: 1e-5, torch.float64: 1e-11}[dtype]
 
 
-__all__ = ["SHAPES_SMALL", "LAMB_CASES", "LARS_CASES", "run_backend", "max_rel_err",
+__all__ = ["SHAPES_SMALL", "SHAPES_ZOO", "LAMB_CASES", "LARS_CASES", "run_backend", "max_rel_err",
            "assert_within_rounding", "tols", "make_tensors", "math"]
 
 
