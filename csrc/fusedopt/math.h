@@ -63,7 +63,7 @@ FUSEDOPT_HD T zero_norm_rule(T w_norm, T other_norm, T ratio) {
 template <typename T>
 struct LambCoef {
   T beta1, beta2, beta3, one_minus_beta2, eps;
-  T bc1, bc2;        // 1 - beta^t, or 1 without bias correction
+  T r1, r2;          // 1 / (1 - beta1^t) and 1 / sqrt(1 - beta2^t), or 1 without bias correction
   T lambda_in_u;     // lambda unless decoupled (then 0)
 };
 
@@ -75,8 +75,8 @@ FUSEDOPT_HD LambCoef<T> lamb_coef(const LambHyper& h, double t) {
   c.beta3 = T(h.beta3);
   c.one_minus_beta2 = T(1.0 - h.beta2);
   c.eps = T(h.eps);
-  c.bc1 = h.bias_correction ? T(bias_correction(h.beta1, t)) : T(1);
-  c.bc2 = h.bias_correction ? T(bias_correction(h.beta2, t)) : T(1);
+  c.r1 = h.bias_correction ? T(1.0 / bias_correction(h.beta1, t)) : T(1);
+  c.r2 = h.bias_correction ? T(1.0 / sqrt(bias_correction(h.beta2, t))) : T(1);
   c.lambda_in_u = h.decoupled ? T(0) : T(h.weight_decay);
   return c;
 }
@@ -90,9 +90,16 @@ FUSEDOPT_HD void lamb_moments(T g, T& m, T& v, const LambCoef<T>& c) {
 
 // u = m_hat / (sqrt(v_hat) + eps) + lambda*w. Pass 1 (for |u|^2) and pass 2 (for the update)
 // both call this with the same arguments, so both see the same u bit for bit.
+//
+// Note [bias-correction factors]: m_hat = m * r1 and sqrt(v_hat) = sqrt(v) * r2 with the per-tensor
+// factors r1 = 1/(1-beta1^t), r2 = 1/sqrt(1-beta2^t), computed in double and rounded once. That is
+// SPEC's u exactly in real arithmetic, with one division and one square root per element instead
+// of three divisions and a root (division and root are the slowest vector instructions, and LAMB
+// runs them in both passes); each value is within a few ulp of the three-division form. Every
+// backend evaluates u in this order (fusedopt/kernels/math.py, fusedopt/backends/eager.py).
 template <typename T>
 FUSEDOPT_HD T lamb_direction(T w, T m, T v, const LambCoef<T>& c) {
-  return (m / c.bc1) / (std::sqrt(v / c.bc2) + c.eps) + c.lambda_in_u * w;
+  return (m * c.r1) / (std::sqrt(v) * c.r2 + c.eps) + c.lambda_in_u * w;
 }
 
 // phi = |w| / |u| (zero-norm rule), clamped to the bounds; 1 when not adapting.

@@ -104,13 +104,15 @@ class EagerBackend(Backend):
         torch._foreach_add_(m, g, alpha=h.beta3)
         v = torch._foreach_mul(b.exp_avg_sqs, h.beta2)
         torch._foreach_addcmul_(v, g, g, value=1.0 - h.beta2)
+        # u = (m·r1) / (sqrt(v)·r2 + eps) + λ·w: Note [bias-correction factors] in math.h
+        den = torch._foreach_sqrt(v)
         if h.bias_correction:
-            bc1 = _per_tensor(bias_correction(h.beta1, t).to(cd))
-            bc2 = _per_tensor(bias_correction(h.beta2, t).to(cd))
-            m_hat, v_hat = torch._foreach_div(m, bc1), torch._foreach_div(v, bc2)
+            r1 = _per_tensor(bias_correction(h.beta1, t).reciprocal().to(cd))
+            r2 = _per_tensor(bias_correction(h.beta2, t).sqrt().reciprocal().to(cd))
+            m_hat = torch._foreach_mul(m, r1)
+            torch._foreach_mul_(den, r2)
         else:
-            m_hat, v_hat = m, v
-        den = torch._foreach_sqrt(v_hat)
+            m_hat = m
         torch._foreach_add_(den, h.eps)
         u = torch._foreach_div(m_hat, den)
         if h.weight_decay != 0 and not h.decoupled:

@@ -27,7 +27,7 @@ from .norms import (
 
 @triton.jit
 def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_minus_beta2,
-                bc1, bc2, eps, lambda_in_u, CD: tl.constexpr):
+                r1, r2, eps, lambda_in_u, CD: tl.constexpr):
     """One tile of pass 1; returns its ``(w², u²)`` (0 outside ``mask``; None: a full tile).
     Masked-off lanes load 0, so their w² is 0; their u is 0/eps, or NaN when eps = 0."""
     w = load_tile(w_ptr, mask).to(CD)
@@ -37,7 +37,7 @@ def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_m
     m, v = lamb_moments(g, m, v, beta1, beta2, beta3, one_minus_beta2)
     tl.store(m_ptr, m, mask=mask)
     tl.store(v_ptr, v, mask=mask)
-    u = lamb_direction(w, m, v, bc1, bc2, eps, lambda_in_u)
+    u = lamb_direction(w, m, v, r1, r2, eps, lambda_in_u)
     return w * w, masked_sq(u, mask)
 
 
@@ -63,10 +63,10 @@ def lamb_pass1_kernel(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     step_ptr = tl.load(rec + STEP).to(tl.pointer_type(tl.float32))
     t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in norms.py
-    b1, b2, b3, omb2, eps_c, bc1, bc2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
-                                                       lambda_in_u, CD, BIAS_CORRECTION)
-    bc1 = bc1[:, None]
-    bc2 = bc2[:, None]
+    b1, b2, b3, omb2, eps_c, r1, r2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
+                                                     lambda_in_u, CD, BIAS_CORRECTION)
+    r1 = r1[:, None]
+    r2 = r2[:, None]
     gm = grad_multiplier(grad_mult, CD, HAS_GRAD_MULT)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
@@ -83,14 +83,14 @@ def lamb_pass1_kernel(
         for off in range(0, CHUNK, BLOCK):
             o = off + cols
             sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, None, gm, b1, b2, b3, omb2,
-                                 bc1, bc2, eps_c, lam, CD)
+                                 r1, r2, eps_c, lam, CD)
             acc_w += sw
             acc_u += su
     else:
         for off in range(0, tl.max(n, 0), BLOCK):
             o = off + cols
             sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], gm, b1, b2,
-                                 b3, omb2, bc1, bc2, eps_c, lam, CD)
+                                 b3, omb2, r1, r2, eps_c, lam, CD)
             acc_w += sw
             acc_u += su
     last = finish_rows(partials, counters, sums, c, valid, i, first, count, tl.sum(acc_w, 1),
@@ -99,12 +99,12 @@ def lamb_pass1_kernel(
 
 
 @triton.jit
-def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, bc1, bc2, eps, lambda_in_u, lr_phi, decay,
+def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, r1, r2, eps, lambda_in_u, lr_phi, decay,
                 P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr):
     w = load_tile(w_ptr, mask).to(CD)
     m = load_tile(m_ptr, mask)
     v = load_tile(v_ptr, mask)
-    u = lamb_direction(w, m, v, bc1, bc2, eps, lambda_in_u)
+    u = lamb_direction(w, m, v, r1, r2, eps, lambda_in_u)
     w = lamb_apply(w, u, lr_phi, decay)
     tl.store(w_ptr, round_to(w, w_ptr.dtype.element_ty), mask=mask)
     if HAS_MASTER:
@@ -133,10 +133,10 @@ def lamb_pass2_kernel(
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
-    _, _, _, _, eps_c, bc1, bc2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
-                                                 lambda_in_u, CD, BIAS_CORRECTION)  # t of pass 1
-    bc1 = bc1[:, None]
-    bc2 = bc2[:, None]
+    _, _, _, _, eps_c, r1, r2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
+                                               lambda_in_u, CD, BIAS_CORRECTION)  # t of pass 1
+    r1 = r1[:, None]
+    r2 = r2[:, None]
     w_sq = tl.load(sums + 2 * i, mask=valid, other=0.0).to(CD)
     u_sq = tl.load(sums + 2 * i + 1, mask=valid, other=0.0).to(CD)
     phi = lamb_trust_ratio(w_sq, u_sq, tl.full((), ratio_lo, CD), tl.full((), ratio_hi, CD),
@@ -159,10 +159,10 @@ def lamb_pass2_kernel(
     if tl.min(n, 0) == CHUNK:
         for off in range(0, CHUNK, BLOCK):
             o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, None, bc1, bc2, eps_c, lam, lr_phi,
+            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, None, r1, r2, eps_c, lam, lr_phi,
                         decay, P_DTYPE, CD, HAS_MASTER)
     else:
         for off in range(0, tl.max(n, 0), BLOCK):
             o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], bc1, bc2, eps_c, lam,
+            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], r1, r2, eps_c, lam,
                         lr_phi, decay, P_DTYPE, CD, HAS_MASTER)

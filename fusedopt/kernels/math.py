@@ -42,15 +42,16 @@ def ieee_sqrt(x):
 
 
 @triton.jit
-def bias_correction(beta, t, CD: tl.constexpr):
-    """``1 - β^t`` evaluated in float64 from the float32 step ``t``, returned in ``CD``.
+def bias_correction(beta, t):
+    """``1 - β^t`` in float64 from the float32 step ``t``.
 
     ``β^t = exp2(t·log2 β)`` in float64 (Triton has no portable ``pow``; the interpreter lacks
-    libdevice): within a few float64 ulp of ``pow``, so identical to functional.bias_correction
-    after rounding to float32. ``β = 0`` gives ``exp2(-inf) = 0``, as ``pow(0, t)`` for ``t >= 1``.
+    libdevice): within a few float64 ulp of ``pow``, so the factors derived from it match
+    functional.bias_correction after rounding to float32. ``β = 0`` gives ``exp2(-inf) = 0``, as
+    ``pow(0, t)`` for ``t >= 1``.
     """
     b = tl.full((), beta, tl.float64)
-    return (1.0 - tl.exp2(t.to(tl.float64) * tl.log2(b))).to(CD)
+    return 1.0 - tl.exp2(t.to(tl.float64) * tl.log2(b))
 
 
 @triton.jit
@@ -66,17 +67,18 @@ def zero_norm_rule(w_norm, other_norm, ratio):
 @triton.jit
 def lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps, lambda_in_u, CD: tl.constexpr,
               BIAS_CORRECTION: tl.constexpr):
-    """math.h's LambCoef: the LAMB scalars of step ``t`` in CD, ``(β1, β2, β3, 1-β2, eps, bc1, bc2,
-    λ_u)``; ``bc1, bc2`` are ``1 - β^t`` (1 without bias correction) with the shape of ``t``,
-    ``λ_u`` is λ, or 0 for decoupled weight decay."""
+    """math.h's LambCoef: the LAMB scalars of step ``t`` in CD, ``(β1, β2, β3, 1-β2, eps, r1, r2,
+    λ_u)``; ``r1 = 1/(1 - β1^t)`` and ``r2 = 1/sqrt(1 - β2^t)`` (1 without bias correction, Note
+    [bias-correction factors] of math.h) are computed in float64 with the shape of ``t``; ``λ_u`` is
+    λ, or 0 for decoupled weight decay."""
     if BIAS_CORRECTION:
-        bc1 = bias_correction(beta1, t, CD)
-        bc2 = bias_correction(beta2, t, CD)
+        r1 = (1.0 / bias_correction(beta1, t)).to(CD)
+        r2 = (1.0 / tl.sqrt(bias_correction(beta2, t))).to(CD)
     else:
-        bc1 = tl.full(t.shape, 1.0, CD)
-        bc2 = tl.full(t.shape, 1.0, CD)
+        r1 = tl.full(t.shape, 1.0, CD)
+        r2 = tl.full(t.shape, 1.0, CD)
     return (tl.full((), beta1, CD), tl.full((), beta2, CD), tl.full((), beta3, CD),
-            tl.full((), one_minus_beta2, CD), tl.full((), eps, CD), bc1, bc2,
+            tl.full((), one_minus_beta2, CD), tl.full((), eps, CD), r1, r2,
             tl.full((), lambda_in_u, CD))
 
 
@@ -89,13 +91,14 @@ def lamb_moments(g, m, v, beta1, beta2, beta3, one_minus_beta2):
 
 
 @triton.jit
-def lamb_direction(w, m, v, bc1, bc2, eps, lambda_in_u):
-    """``u = m̂ / (sqrt(v̂) + eps) + λ·w`` with ``m̂ = m / bc1``, ``v̂ = v / bc2``.
+def lamb_direction(w, m, v, r1, r2, eps, lambda_in_u):
+    """``u = m̂ / (sqrt(v̂) + eps) + λ·w`` evaluated as ``(m·r1) / (sqrt(v)·r2 + eps) + λ·w``
+    (Note [bias-correction factors] of math.h: one division and one root per element).
 
     ``lambda_in_u`` is λ, or 0 for decoupled weight decay. Pass 1 (for ``‖u‖²``) and pass 2 (for
     the update) call this with the same arguments, so both see the same ``u``.
     """
-    return ieee_div(ieee_div(m, bc1), ieee_sqrt(ieee_div(v, bc2)) + eps) + lambda_in_u * w
+    return ieee_div(m * r1, ieee_sqrt(v) * r2 + eps) + lambda_in_u * w
 
 
 @triton.jit
