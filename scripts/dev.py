@@ -6,8 +6,9 @@
     python3 scripts/dev.py bench [args]   # the step-time benchmark table
 
 torch is installed first, from FUSEDOPT_TORCH (default ``torch==2.13.0``: a CPU build on our
-machines; an unpinned torch would pull a multi-GB CUDA build), then requirements-dev.txt, then
-the project itself with ``pip install --no-build-isolation -e .`` (this builds the C++ extension).
+machines; an unpinned torch would pull a multi-GB CUDA build), then requirements-dev.txt and timm
+(without its dependencies), then the project itself with ``pip install --no-build-isolation -e .``
+(this builds the C++ extension).
 Set-up steps are skipped when their inputs have not changed since the last run.
 """
 import hashlib
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 TORCH = os.environ.get("FUSEDOPT_TORCH", "torch==2.13.0")
+TIMM = "timm==1.0.31"
 
 
 def sh(*cmd: str, **kw) -> None:
@@ -51,6 +53,9 @@ def setup() -> None:
     pip = (str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q")
     step_once("torch", [], *pip, *shlex.split(TORCH))
     step_once("deps", [ROOT / "requirements-dev.txt"], *pip, "-r", "requirements-dev.txt")
+    # timm's optimizers are a comparison in the tests and the benchmark. Without its dependencies:
+    # they pull torchvision, which needs (and would install) a torch other than ours.
+    step_once(TIMM, [], *pip, "--no-deps", TIMM)  # the pin names the stamp
     sources = [ROOT / "setup.py", ROOT / "pyproject.toml", *ROOT.glob("csrc/**/*.*")]
     step_once("project", sources, *pip, "--no-build-isolation", "-e", ".")
 

@@ -1,20 +1,28 @@
-"""SPEC.md's reference points, checked against a public implementation that runs here: optax.
+"""SPEC.md's reference points, checked against public implementations that run here: optax
+and timm.
 
 * ``FusedLAMB`` defaults (with any lr, betas, eps, weight_decay) equal ``optax.lamb``
   (``eps_root=0``): Adam moments with bias correction, ``λ·w`` added before the trust ratio,
   ``‖w‖/‖u‖`` with the zero-norm rule.
 * ``FusedLARS(denominator="combined", lr_in_momentum=True)`` equals ``optax.lars``:
   decayed weights, ``κ‖w‖/(‖g+λw‖+eps)``, lr applied before the momentum trace (``v ← μ·v + lr·d``).
+* ``FusedLAMB`` equals timm's ``Lamb(always_adapt=True)`` with the same ``max_grad_norm`` (None, or
+  global clipping). timm's ``decoupled_decay`` is not our ``decoupled_weight_decay``: it takes ‖w‖
+  after the decay (a test pins the difference).
+* ``FusedLARS(denominator="sum", lr_in_momentum=False)`` equals timm's ``Lars(always_adapt=True)``
+  (the torch-SGD momentum form with dampening and Nesterov).
 
-apex FusedLAMB (``use_nvlamb=True, max_grad_norm=0``) and timm's Lamb/Lars are documented in the
-README; they cannot run here (apex needs CUDA, timm needs torchvision, which does not import beside
-this CPU torch build).
+apex FusedLAMB (``use_nvlamb=True, max_grad_norm=0``) is documented in the README; it needs CUDA.
+timm is loaded by :func:`fusedopt.bench.timm_optimizers` (its optimizer modules without its model
+zoo, which needs torchvision).
 """
 import numpy as np
 import pytest
 import torch
 
 import fusedopt
+
+from fusedopt.bench import timm_optimizers
 
 jax = pytest.importorskip("jax", reason="jax/optax are installed by requirements-dev.txt")
 optax = pytest.importorskip("optax", reason="optax is installed by requirements-dev.txt")
@@ -68,3 +76,74 @@ def test_lars_combined_equals_optax_lars(hyper, zero_weight):
                     momentum=hyper["momentum"], nesterov=hyper["nesterov"])
     _compare(lambda ps: fusedopt.FusedLARS(ps, denominator="combined", lr_in_momentum=True, **hyper),
              tx, zero_weight=zero_weight)
+
+
+# --------------------------------------------------------------------------------------- timm
+
+def _timm(index):
+    found = timm_optimizers()
+    if found is None:
+        pytest.fail("timm is not importable; scripts/dev.py installs it (pip install --no-deps timm)")
+    return found[index]
+
+
+def _compare_torch(ours, theirs, steps=6, seed=0, zero_weight=None, grad_scale=1.0):
+    """Both torch optimizers on copies of the same float64 params and grads, step by step."""
+    rng = np.random.default_rng(seed)
+    init = [rng.standard_normal(s) for s in SHAPES]
+    if zero_weight is not None:
+        init[zero_weight][...] = 0.0
+    a = [torch.nn.Parameter(torch.tensor(w)) for w in init]
+    b = [torch.nn.Parameter(torch.tensor(w)) for w in init]
+    opt_a, opt_b = ours(a), theirs(b)
+    for _ in range(steps):
+        for p, q, s in zip(a, b, SHAPES):
+            g = torch.tensor(rng.standard_normal(s) * grad_scale)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("hyper", [
+    dict(lr=1e-2, weight_decay=0.01),
+    dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.0, bias_correction=False),
+    dict(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0),  # clipping active (grad_scale=5)
+    dict(lr=1e-2, weight_decay=0.1, grad_averaging=False),
+], ids=["defaults", "no_decay_no_bias_correction", "global_clipping", "no_grad_averaging"])
+@pytest.mark.parametrize("zero_weight", [None, 1], ids=["", "zero_weight"])
+def test_lamb_equals_timm_lamb(hyper, zero_weight):
+    theirs = {"max_grad_norm": None, **hyper}
+    _compare_torch(lambda ps: fusedopt.FusedLAMB(ps, **hyper),
+                   lambda ps: _timm(0)(ps, always_adapt=True, **theirs),
+                   zero_weight=zero_weight, grad_scale=5.0)
+
+
+def test_timm_decoupled_decay_takes_the_norm_after_decay():
+    """timm's ``decoupled_decay`` decays w first and takes ‖w‖ of the decayed weight, so its φ is
+    ours times (1 - lr·λ): the README says so, and this pins it (ours takes ‖w‖ before the decay,
+    SPEC.md). With λ = 0 the two decoupled forms are the same update."""
+    def pair(weight_decay):
+        hyper = dict(lr=1e-2, weight_decay=weight_decay)
+        return (lambda ps: fusedopt.FusedLAMB(ps, decoupled_weight_decay=True, **hyper),
+                lambda ps: _timm(0)(ps, always_adapt=True, max_grad_norm=None,
+                                    decoupled_decay=True, **hyper))
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        _compare_torch(*pair(0.1))
+    _compare_torch(*pair(0.0))
+
+
+@pytest.mark.parametrize("hyper", [
+    dict(lr=0.5, momentum=0.9, weight_decay=1e-2, trust_coefficient=0.001, eps=1e-8),
+    dict(lr=0.1, momentum=0.8, weight_decay=1e-4, trust_coefficient=0.02, eps=0.0, nesterov=True),
+    dict(lr=0.2, momentum=0.9, dampening=0.5, weight_decay=1e-3, trust_coefficient=0.01),
+    dict(lr=1.0, momentum=0.0, weight_decay=0.0, trust_coefficient=1.0, eps=1e-6),
+], ids=["decay", "nesterov", "dampening", "no_momentum_no_decay"])
+@pytest.mark.parametrize("zero_weight", [None, 1], ids=["", "zero_weight"])
+def test_lars_sum_equals_timm_lars(hyper, zero_weight):
+    theirs = dict(hyper)
+    theirs["trust_coeff"] = theirs.pop("trust_coefficient")
+    _compare_torch(
+        lambda ps: fusedopt.FusedLARS(ps, denominator="sum", lr_in_momentum=False, **hyper),
+        lambda ps: _timm(1)(ps, always_adapt=True, **theirs), zero_weight=zero_weight)
