@@ -15,7 +15,7 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ERRORS = os.path.join(HERE, "fusedopt", "_build_errors.txt")
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-std=c++17"]
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fvisibility=hidden", "-std=c++20"]
 
 
 def want_cuda() -> bool:
@@ -53,7 +53,7 @@ cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp")
 if cuda_sources and want_cuda():
     ext_modules.append(CUDAExtension(
         "fusedopt._cuda", cuda_sources, include_dirs=[os.path.join(HERE, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ["-O3", "-std=c++20"]},
     ))
 print("fusedopt: building " + (", ".join(e.name for e in ext_modules) or "no compiled extension"))
 

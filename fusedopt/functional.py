@@ -52,6 +52,9 @@ class Bucket:
     writeback: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # backend-private data carried from pass 1 to pass 2 (e.g. eager's update direction)
     scratch: dict = field(default_factory=dict)
+    # backend-private data kept across steps while every list but ``grads`` stays the same objects
+    # (the optimizer's plan cache hands the same dict to each step's bucket); None: a one-off bucket
+    persistent: dict | None = None
 
     @property
     def device(self) -> torch.device:

@@ -76,6 +76,7 @@ class _GroupCache:
     g_dtype: torch.dtype
     backend: _backends.Backend
     lists: dict[str, list[torch.Tensor]]  # Bucket fields except grads
+    persistent: dict  # the buckets' ``persistent`` dict (backend handles of the lists)
 
 
 class _TrustRatioOptimizer(Optimizer):
@@ -177,10 +178,11 @@ class _TrustRatioOptimizer(Optimizer):
 
     def _remember(self, gi, group, ps, states, backend, b: Bucket) -> None:
         lists = {k: v for k, v in vars(b).items() if isinstance(v, list) and k not in ("grads", "writeback")}
+        b.persistent = {}
         self._plan_cache[gi] = _GroupCache(
             params=ps, state=self.state, states=states,
             options=(group["backend"], group["master_weights"]), p_dtype=b.param_dtype,
-            g_dtype=b.grad_dtype, backend=backend, lists=lists)
+            g_dtype=b.grad_dtype, backend=backend, lists=lists, persistent=b.persistent)
 
     def _build_plan(self):
         staged = []
@@ -212,7 +214,7 @@ class _TrustRatioOptimizer(Optimizer):
         record = any(s[-1] for s in staged)
         for gi, ((group, ps, lps, lgs, keys, sharded), resolved) in enumerate(zip(staged, backends_of)):
             if isinstance(ps, _GroupCache):
-                b = Bucket(grads=lgs, **ps.lists)
+                b = Bucket(grads=lgs, persistent=ps.persistent, **ps.lists)
                 if record:
                     self._bucket_params[id(b)] = ps.params
                 plan.append((self._hyper(group), [(ps.backend, b)]))

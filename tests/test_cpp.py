@@ -257,6 +257,73 @@ def test_state_dict_round_trip_continues_bit_for_bit(kind):
     _assert_bitwise(_snapshot(params, opt), _snapshot(resumed, opt2))
 
 
+# ------------------------------------------------------------------------------ static lists
+
+def _steps_with(kind, dtype, static_lists, monkeypatch):
+    """Four steps (global clipping, a tensor lr) with BucketLists on or off (then every pass goes
+    through torch.ops.fusedopt.*); returns the snapshot and the plan cache's handles."""
+    with monkeypatch.context() as m:
+        m.setattr(type(CPP), "_has_static_lists", static_lists)
+        params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, dtype, 0)]
+        opt = _opt(kind, params, max_grad_norm=1.0, lr=torch.tensor(0.02))
+        for step in range(4):
+            _set_grads(params, step)
+            opt.step()
+        handles = [c.persistent.get("cpp") for c in opt._plan_cache.values()]
+        return _snapshot(params, opt), handles
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_masters"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_static_lists_equal_the_operators_bit_for_bit(kind, dtype, monkeypatch):
+    """Note [static lists]: the optimizer keeps a C++ BucketLists per cached bucket, and the
+    steps it runs are the operators' steps, bit for bit."""
+    from fusedopt import _C
+    fast, handles = _steps_with(kind, dtype, True, monkeypatch)
+    slow, no_handles = _steps_with(kind, dtype, False, monkeypatch)
+    assert handles and all(isinstance(h, _C.BucketLists) for h in handles)
+    assert no_handles == [None]
+    _assert_bitwise(fast, slow)
+
+
+def test_static_lists_are_rebuilt_when_the_state_is_replaced():
+    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+    opt = _opt("lamb", params)
+    _set_grads(params, 0)
+    opt.step()
+    first = opt._plan_cache[0].persistent["cpp"]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors
+    opt.step()
+    second = opt._plan_cache[0].persistent["cpp"]
+    assert second is not first
+    opt.step()
+    assert opt._plan_cache[0].persistent["cpp"] is second
+    assert all(float(opt.state[p]["step"]) == 3 for p in params)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_steps_bump_version_counters(kind):
+    """Note [version counters] in ops.cpp: a tensor saved for backward and then stepped is caught
+    by autograd, as with torch's optimizers; a skipped step (found_inf) bumps nothing."""
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt = _opt(kind, params)
+    _set_grads(params, 0)
+    loss = (params[0] * params[0]).sum()  # saves params[0]
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    versions = [t._version for t in _live_tensors(params, opt)]
+    opt.step()
+    assert [t._version for t in _live_tensors(params, opt)] == [v + 1 for v in versions]
+    opt.found_inf = torch.ones(())
+    opt.step()
+    assert [t._version for t in _live_tensors(params, opt)] == [v + 1 for v in versions]
+
+
+def _live_tensors(params, opt):
+    return list(params) + [v for p in params for v in opt.state[p].values()]
+
+
 # --------------------------------------------------------------------------- torch operators
 
 def _op_args(kind, n=3, masters=False):

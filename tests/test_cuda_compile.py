@@ -32,7 +32,7 @@ CU_SOURCES = sorted(CSRC.rglob("*.cu"))
 BINDING = CSRC / "cuda" / "bindings.cpp"
 TORCH_INCLUDE = [Path(p) for p in cpp_extension.include_paths()]
 # setup.py's nvcc flags, and the defines torch's CUDAExtension adds to every nvcc command
-NVCC_FLAGS = ["-O3", "-std=c++17", *getattr(cpp_extension, "COMMON_NVCC_FLAGS", [])]
+NVCC_FLAGS = ["-O3", "-std=c++20", *getattr(cpp_extension, "COMMON_NVCC_FLAGS", [])]
 TIMEOUT_S = 300
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA sources cannot "
@@ -125,7 +125,7 @@ def builds(tmp_path_factory):
     if CXX is not None and BINDING.exists() and cuda_include is not None:
         host = ["-isystem", str(cuda_include), "-isystem", sysconfig.get_paths()["include"]]
         jobs[BINDING.relative_to(ROOT).as_posix()] = [
-            CXX, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", str(BINDING), *includes, *host]
+            CXX, "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", str(BINDING), *includes, *host]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_run, cmd) for name, cmd in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}

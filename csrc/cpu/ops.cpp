@@ -138,6 +138,17 @@ LarsHyper lars_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr
   return h;
 }
 
+// Note [version counters]: the passes write tensors in place, as torch's in-place ops do, and so
+// bump the version counter of every tensor they write (autograd then detects a tensor saved for
+// backward that a step modified). Inference tensors have no counter. A skipped step (found_inf)
+// writes nothing and bumps nothing.
+void bump_versions(at::TensorList ts) {
+  for (const at::Tensor& t : ts) {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (impl->version_counter().enabled()) impl->bump_version();
+  }
+}
+
 // Adds 1 to every step count and returns the new counts t (the serial setup of pass 1).
 std::vector<double> advance_steps(at::TensorList steps) {
   std::vector<double> t(steps.size());
@@ -373,6 +384,7 @@ at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
   check_steps(steps, n);
   const LambHyper h = lamb_hyper(hyper, std::nullopt);
   if (n == 0 || step_skipped(found_inf)) return at::zeros({n, 2}, at::dtype(compute));
+  for (at::TensorList written : {exp_avgs, exp_avg_sqs, steps}) bump_versions(written);
   const std::vector<double> t = advance_steps(steps);
   const ChunkTable table(numels(weights));
   std::vector<double> partial(2 * table.size());
@@ -413,6 +425,7 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
   check_steps(steps, n);
   const LambHyper h = lamb_hyper(hyper, lr);
   if (n == 0 || step_skipped(found_inf)) return;
+  for (at::TensorList written : {weights, params}) bump_versions(written);
   const std::vector<double> t = read_steps(steps);
   const ChunkTable table(numels(weights));
   dispatch_storage(w_dtype, "weights", [&](auto w_tag) {
@@ -452,6 +465,7 @@ at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
   check_steps(steps, n);
   const LarsHyper h = lars_hyper(hyper, std::nullopt);
   if (n == 0 || step_skipped(found_inf)) return at::zeros({n, 2}, at::dtype(compute));
+  bump_versions(steps);
   advance_steps(steps);
   const ChunkTable table(numels(weights));
   std::vector<double> partial(2 * table.size());
@@ -494,6 +508,7 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
   check_steps(steps, n);
   const LarsHyper h = lars_hyper(hyper, lr);
   if (n == 0 || step_skipped(found_inf)) return;
+  for (at::TensorList written : {weights, params, momentum_buffers}) bump_versions(written);
   const std::vector<double> t = read_steps(steps);
   const ChunkTable table(numels(weights));
   dispatch_storage(w_dtype, "weights", [&](auto w_tag) {
@@ -522,6 +537,48 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
       });
     });
   });
+}
+
+// ----------------------------------------------------------------------------- BucketLists
+
+BucketLists::BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor> params,
+                         std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+                         std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps)
+    : weights_(std::move(weights)),
+      params_(std::move(params)),
+      exp_avgs_(std::move(exp_avgs)),
+      exp_avg_sqs_(std::move(exp_avg_sqs)),
+      momentum_buffers_(std::move(momentum_buffers)),
+      steps_(std::move(steps)) {}
+
+at::Tensor BucketLists::lamb_pass1(const std::vector<at::Tensor>& grads,
+                                   const std::vector<double>& hyper,
+                                   const std::optional<at::Tensor>& grad_mult,
+                                   const std::optional<at::Tensor>& found_inf) const {
+  return cpu::lamb_pass1(weights_, grads, exp_avgs_, exp_avg_sqs_, steps_, hyper, grad_mult,
+                         found_inf);
+}
+
+void BucketLists::lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
+                             const std::optional<at::Tensor>& lr,
+                             const std::optional<at::Tensor>& found_inf) const {
+  cpu::lamb_pass2(weights_, params_, exp_avgs_, exp_avg_sqs_, steps_, sums, hyper, lr, found_inf);
+}
+
+at::Tensor BucketLists::lars_pass1(const std::vector<at::Tensor>& grads,
+                                   const std::vector<double>& hyper,
+                                   const std::optional<at::Tensor>& grad_mult,
+                                   const std::optional<at::Tensor>& found_inf) const {
+  return cpu::lars_pass1(weights_, grads, steps_, hyper, grad_mult, found_inf);
+}
+
+void BucketLists::lars_pass2(const std::vector<at::Tensor>& grads, const at::Tensor& sums,
+                             const std::vector<double>& hyper,
+                             const std::optional<at::Tensor>& lr,
+                             const std::optional<at::Tensor>& grad_mult,
+                             const std::optional<at::Tensor>& found_inf) const {
+  cpu::lars_pass2(weights_, params_, grads, momentum_buffers_, steps_, sums, hyper, lr, grad_mult,
+                  found_inf);
 }
 
 }  // namespace cpu

@@ -5,6 +5,7 @@
 #include <fusedopt/math.h>
 
 #include <optional>
+#include <vector>
 
 namespace fusedopt {
 namespace cpu {
@@ -81,6 +82,39 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
                 at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
                 const std::optional<at::Tensor>& grad_mult,
                 const std::optional<at::Tensor>& found_inf);
+
+// Note [static lists]: the tensors of a bucket that stay the same objects from step to step (the
+// weights, the bf16/fp16 params beside masters, the optimizer state and the step counts), held on
+// the C++ side so that a step passes only its gradients. Converting a Python list into a
+// TensorList costs a fraction of a microsecond per tensor and list through torch.ops; a pass
+// takes up to five lists, which for thousands of small tensors outweighs the arithmetic. The
+// optimizer's plan cache (fusedopt/optim.py, Note [plan cache]) keeps one BucketLists per bucket
+// while its tensors stay the same. The methods are the operators above with the static lists
+// filled in, and validate every list on every call as the operators do. Empty lists stand for
+// the state an optimizer does not have (momentum_buffers for LAMB, params without masters).
+class BucketLists {
+ public:
+  BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor> params,
+              std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+              std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps);
+
+  at::Tensor lamb_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
+                        const std::optional<at::Tensor>& grad_mult,
+                        const std::optional<at::Tensor>& found_inf) const;
+  void lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
+                  const std::optional<at::Tensor>& lr,
+                  const std::optional<at::Tensor>& found_inf) const;
+  at::Tensor lars_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
+                        const std::optional<at::Tensor>& grad_mult,
+                        const std::optional<at::Tensor>& found_inf) const;
+  void lars_pass2(const std::vector<at::Tensor>& grads, const at::Tensor& sums,
+                  const std::vector<double>& hyper, const std::optional<at::Tensor>& lr,
+                  const std::optional<at::Tensor>& grad_mult,
+                  const std::optional<at::Tensor>& found_inf) const;
+
+ private:
+  std::vector<at::Tensor> weights_, params_, exp_avgs_, exp_avg_sqs_, momentum_buffers_, steps_;
+};
 
 }  // namespace cpu
 }  // namespace fusedopt

@@ -1,5 +1,5 @@
-// Registration of the torch.ops.fusedopt.* operators and the (empty) Python module fusedopt._C
-// whose import loads them. Fake (meta) implementations are registered in Python, in
+// Registration of the torch.ops.fusedopt.* operators, and the Python module fusedopt._C whose
+// import loads them and which holds BucketLists (Note [static lists] in ops.h). Fake (meta) implementations are registered in Python, in
 // fusedopt/backends/cpp.py, which set_python_module names so torch can import it on demand.
 //
 // Arguments common to the passes (see docs/CONTRIBUTING_BACKENDS.md):
@@ -12,7 +12,7 @@
 //   grad_mult  optional 0-dim tensor: every gradient element is read as g * grad_mult
 //   found_inf  optional 0-dim float32 tensor: when nonzero the step changes nothing
 //   sums       [n, 2] per-tensor sums of squares returned by pass 1 (possibly all-reduced)
-#include <Python.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include "ops.h"
@@ -45,9 +45,22 @@ TORCH_LIBRARY_IMPL(fusedopt, CPU, m) {
   m.impl("lars_pass2", &fusedopt::cpu::lars_pass2);
 }
 
-extern "C" PyObject* PyInit__C(void) {
-  static PyModuleDef module = {
-      PyModuleDef_HEAD_INIT, "_C", "fusedopt C++ CPU kernels, registered as torch.ops.fusedopt.*",
-      -1, nullptr};
-  return PyModule_Create(&module);
+PYBIND11_MODULE(_C, m) {
+  namespace py = pybind11;
+  using fusedopt::cpu::BucketLists;
+  m.doc() = "fusedopt C++ CPU kernels, registered as torch.ops.fusedopt.*, and BucketLists";
+  py::class_<BucketLists>(m, "BucketLists",
+                          "The static tensor lists of one bucket (Note [static lists], ops.h).")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>(),
+           py::arg("weights"), py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+           py::arg("momentum_buffers"), py::arg("steps"))
+      .def("lamb_pass1", &BucketLists::lamb_pass1, py::arg("grads"), py::arg("hyper"),
+           py::arg("grad_mult"), py::arg("found_inf"))
+      .def("lamb_pass2", &BucketLists::lamb_pass2, py::arg("sums"), py::arg("hyper"),
+           py::arg("lr"), py::arg("found_inf"))
+      .def("lars_pass1", &BucketLists::lars_pass1, py::arg("grads"), py::arg("hyper"),
+           py::arg("grad_mult"), py::arg("found_inf"))
+      .def("lars_pass2", &BucketLists::lars_pass2, py::arg("grads"), py::arg("sums"),
+           py::arg("hyper"), py::arg("lr"), py::arg("grad_mult"), py::arg("found_inf"));
 }

@@ -99,6 +99,7 @@ _fakes_registered = False
 
 class CppBackend(Backend):
     name = "cpp"
+    _has_static_lists = True  # BucketLists calls the CPU kernels directly
 
     def __init__(self):
         global _fakes_registered
@@ -120,23 +121,49 @@ class CppBackend(Backend):
     def sq_norms(self, tensors):
         return self._ops.sq_norms(list(tensors))
 
+    def _static_lists(self, b: Bucket):
+        """The bucket's lists but grads, held by a C++ ``BucketLists`` (Note [static lists] in
+        csrc/cpu/ops.h) kept in ``b.persistent``; None for a one-off bucket, which goes through
+        the operators."""
+        if b.persistent is None or not self._has_static_lists:
+            return None
+        lists = b.persistent.get(self.name)
+        if lists is None:
+            from .. import _C
+            lists = b.persistent[self.name] = _C.BucketLists(
+                b.weights, _low_precision_params(b), b.exp_avgs or [], b.exp_avg_sqs or [],
+                b.momentum_buffers or [], b.steps)
+        return lists
+
     # ----------------------------------------------------------------- LAMB
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
         hyper, _ = _hyper_args(h, LAMB_FIELDS, b.device)
+        lists = self._static_lists(b)
+        if lists is not None:
+            return lists.lamb_pass1(b.grads, hyper, grad_mult, found_inf)
         return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, hyper,
                                     grad_mult, found_inf)
 
     def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
         hyper, lr = _hyper_args(h, LAMB_FIELDS, b.device)
+        lists = self._static_lists(b)
+        if lists is not None:
+            return lists.lamb_pass2(sums, hyper, lr, found_inf)
         self._ops.lamb_pass2(b.weights, _low_precision_params(b), b.exp_avgs, b.exp_avg_sqs,
                              b.steps, sums, hyper, lr, found_inf)
 
     # ----------------------------------------------------------------- LARS
     def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
         hyper, _ = _hyper_args(h, LARS_FIELDS, b.device)
+        lists = self._static_lists(b)
+        if lists is not None:
+            return lists.lars_pass1(b.grads, hyper, grad_mult, found_inf)
         return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)
 
     def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
         hyper, lr = _hyper_args(h, LARS_FIELDS, b.device)
+        lists = self._static_lists(b)
+        if lists is not None:
+            return lists.lars_pass2(b.grads, sums, hyper, lr, grad_mult, found_inf)
         self._ops.lars_pass2(b.weights, _low_precision_params(b), b.grads, b.momentum_buffers,
                              b.steps, sums, hyper, lr, grad_mult, found_inf)

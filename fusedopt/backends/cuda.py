@@ -52,6 +52,7 @@ class CudaBackend(CppBackend):
     """The C++ backend's operators and passes; the CUDA kernels behind them and CUDA's dtype rules."""
 
     name = "cuda"
+    _has_static_lists = False  # BucketLists holds the CPU kernels; CUDA goes through torch.ops
 
     def __init__(self):
         super().__init__()  # fusedopt._C: the operator schemas and fakes
