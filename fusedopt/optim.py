@@ -63,8 +63,10 @@ class _GroupCache:
     Note [plan cache]: gathering thousands of tensors into lists costs Python time on every step.
     A group whose params with grads, state tensors, dtypes and options are the same objects as
     at the last step, with contiguous tensors throughout, reuses the lists of the last step and
-    only takes the new grads (checked for layout, dtype and contiguity). Anything else takes the
-    full path, which validates and rebuilds. ``load_state_dict`` and replacing a state tensor are
+    only takes the new grads, which its backend checks (``Backend.fits_cached_bucket``: dtype,
+    layout). Anything else takes the full path, which validates and rebuilds. The cached buckets
+    share one ``persistent`` dict, where a backend may keep a native handle of the lists (the cpp
+    backend's BucketLists, Note [static lists] in csrc/cpu/ops.h). ``load_state_dict`` and replacing a state tensor are
     detected; replacing a param's whole state dict by hand is not (use ``load_state_dict``).
     """
 
@@ -171,8 +173,7 @@ class _TrustRatioOptimizer(Optimizer):
             cached = c.lists.get("masters" if name == "master_param" else name + "s")
             if cached is not None and not all(map(is_, map(itemgetter(name), c.states), cached)):
                 return None
-        if (set(map(_DTYPE, ps)) != {c.p_dtype} or set(map(_DTYPE, gs)) != {c.g_dtype}
-                or set(map(_LAYOUT, gs)) != {torch.strided} or not all(map(_CONTIGUOUS, gs))):
+        if not c.backend.fits_cached_bucket(c.persistent, ps, gs, c.p_dtype, c.g_dtype):
             return None
         return c
 

@@ -11,6 +11,7 @@ import torch
 
 import fusedopt
 from fusedopt.reference import LAMB_SPEC, LARS_SPEC
+from helpers import backend_params
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTS = {
@@ -421,6 +422,37 @@ def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind):
     opt.step()
     assert torch.equal(m[2].bias, before)
     assert opt.state[m[2].bias]["step"].item() == 3 and opt.state[w]["step"].item() == 4
+
+
+@pytest.mark.parametrize("change", ["transposed_grad", "bf16_grads"])
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_bucket_refuses_grads_it_cannot_take(kind, backend, change):
+    """Each backend's fits_cached_bucket (the cpp one answers in C++, Note [static lists]): a grad
+    with other strides or another dtype sends the step down the full path, which gives the same
+    bits as a step without any cache."""
+    results = []
+    for use_cache in (True, False):
+        m = model()
+        opt = OPTS[kind](m.parameters(), backend=backend)
+        gen = torch.Generator().manual_seed(3)
+        for step in range(3):
+            opt.zero_grad()
+            m(torch.randn(8, 6, generator=gen)).square().mean().backward()
+            if step == 2:
+                w = m[0].weight
+                if change == "transposed_grad":
+                    w.grad = w.grad.t().contiguous().t()
+                else:
+                    for p in m.parameters():
+                        g, p.grad = p.grad, None
+                        p.grad_dtype = torch.bfloat16  # torch >= 2.10 checks grad dtypes
+                        p.grad = g.to(torch.bfloat16)
+            if not use_cache:
+                opt._plan_cache.clear()
+            opt.step()
+        results.append([p.detach().clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.parametrize("kind", KINDS)

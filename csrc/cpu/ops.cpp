@@ -166,6 +166,17 @@ std::vector<double> read_steps(at::TensorList steps) {
   return t;
 }
 
+// The LambCoef of every step count; tensors of a bucket usually share one count, whose two pow()
+// calls are then made once, not once per tensor.
+template <typename T>
+std::vector<LambCoef<T>> lamb_coefs(const LambHyper& h, const std::vector<double>& t) {
+  std::vector<LambCoef<T>> coef(t.size());
+  for (size_t i = 0; i < t.size(); ++i) {
+    coef[i] = (i > 0 && t[i] == t[i - 1]) ? coef[i - 1] : lamb_coef<T>(h, t[i]);
+  }
+  return coef;
+}
+
 std::vector<int64_t> numels(at::TensorList ts) {
   std::vector<int64_t> n(ts.size());
   for (size_t i = 0; i < ts.size(); ++i) n[i] = ts[i].numel();
@@ -394,8 +405,7 @@ at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
     using T = ComputeT<W>;
     dispatch_storage(g_dtype, "grads", [&](auto g_tag) {
       using G = typename decltype(g_tag)::type;
-      std::vector<LambCoef<T>> coef(n);
-      for (int64_t i = 0; i < n; ++i) coef[i] = lamb_coef<T>(h, t[i]);
+      const std::vector<LambCoef<T>> coef = lamb_coefs<T>(h, t);
       const T gm = grad_multiplier<T>(grad_mult);
       const auto wp = pointers<const W>(weights);
       const auto gp = pointers<const G>(grads);
@@ -434,10 +444,9 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
     dispatch_param_out<W>(params, [&](auto p_tag) {
       using P = typename decltype(p_tag)::type;
       const std::vector<T> s = read_sums<T>(sums, n);
-      std::vector<LambCoef<T>> coef(n);
+      const std::vector<LambCoef<T>> coef = lamb_coefs<T>(h, t);
       std::vector<T> lr_phi(n);
       for (int64_t i = 0; i < n; ++i) {
-        coef[i] = lamb_coef<T>(h, t[i]);
         lr_phi[i] = static_cast<T>(h.lr) * lamb_trust_ratio<T>(s[2 * i], s[2 * i + 1], h);
       }
       const T decay = h.decoupled ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
@@ -549,7 +558,25 @@ BucketLists::BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor
       exp_avgs_(std::move(exp_avgs)),
       exp_avg_sqs_(std::move(exp_avg_sqs)),
       momentum_buffers_(std::move(momentum_buffers)),
-      steps_(std::move(steps)) {}
+      steps_(std::move(steps)) {
+  weight_dtype_ = check_list(weights_, weights_, "weights");
+  param_dtype_ = params_.empty() ? weight_dtype_ : check_list(params_, weights_, "params");
+}
+
+bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const {
+  if (grads.size() != weights_.size()) return false;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    const at::Tensor& w = weights_[i];
+    if (w.scalar_type() != weight_dtype_ ||
+        (!params_.empty() && params_[i].scalar_type() != param_dtype_) ||
+        g.layout() != at::kStrided || g.scalar_type() != grad_dtype || !g.device().is_cpu() ||
+        g.numel() != w.numel() || !g.is_non_overlapping_and_dense() || g.strides() != w.strides()) {
+      return false;
+    }
+  }
+  return true;
+}
 
 at::Tensor BucketLists::lamb_pass1(const std::vector<at::Tensor>& grads,
                                    const std::vector<double>& hyper,

@@ -98,6 +98,12 @@ class BucketLists {
               std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
               std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps);
 
+  // Whether a step with these grads can reuse the lists: the grads have dtype grad_dtype and the
+  // layout (numel, dense strides) of their weights, and the weights and params still have the
+  // dtype they had when the lists were made (`model.half()` changes a param's dtype in place). One
+  // C++ loop instead of a Python pass per property over thousands of tensors.
+  bool accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const;
+
   at::Tensor lamb_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
                         const std::optional<at::Tensor>& grad_mult,
                         const std::optional<at::Tensor>& found_inf) const;
@@ -114,6 +120,7 @@ class BucketLists {
 
  private:
   std::vector<at::Tensor> weights_, params_, exp_avgs_, exp_avg_sqs_, momentum_buffers_, steps_;
+  at::ScalarType weight_dtype_, param_dtype_;
 };
 
 }  // namespace cpu

@@ -55,6 +55,7 @@ PYBIND11_MODULE(_C, m) {
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>(),
            py::arg("weights"), py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
            py::arg("momentum_buffers"), py::arg("steps"))
+      .def("accepts", &BucketLists::accepts, py::arg("grads"), py::arg("grad_dtype"))
       .def("lamb_pass1", &BucketLists::lamb_pass1, py::arg("grads"), py::arg("hyper"),
            py::arg("grad_mult"), py::arg("found_inf"))
       .def("lamb_pass2", &BucketLists::lamb_pass2, py::arg("sums"), py::arg("hyper"),

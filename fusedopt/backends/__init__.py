@@ -17,9 +17,14 @@ whole step a no-op. Neither is ever read on the host.
 from __future__ import annotations
 
 import importlib
+from operator import attrgetter, methodcaller
 from typing import TYPE_CHECKING
 
 import torch
+
+_DTYPE = attrgetter("dtype")
+_LAYOUT = attrgetter("layout")
+_CONTIGUOUS = methodcaller("is_contiguous")
 
 if TYPE_CHECKING:
     from ..functional import Bucket
@@ -38,6 +43,16 @@ class Backend:
 
     def sq_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    def fits_cached_bucket(self, persistent: dict, params: list[torch.Tensor],
+                           grads: list[torch.Tensor], param_dtype: torch.dtype,
+                           grad_dtype: torch.dtype) -> bool:
+        """Whether a bucket cached by the optimizer (Note [plan cache]) can take this step's
+        ``grads``: the params still have ``param_dtype``, and the grads are strided, contiguous
+        and of ``grad_dtype``. ``persistent`` is the cached buckets' dict (a backend that keeps a
+        native handle there may answer from it, as the cpp backend does)."""
+        return (set(map(_DTYPE, params)) == {param_dtype} and set(map(_DTYPE, grads)) == {grad_dtype}
+                and set(map(_LAYOUT, grads)) == {torch.strided} and all(map(_CONTIGUOUS, grads)))
 
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf) -> torch.Tensor:
         raise NotImplementedError

@@ -135,6 +135,12 @@ class CppBackend(Backend):
                 b.momentum_buffers or [], b.steps)
         return lists
 
+    def fits_cached_bucket(self, persistent, params, grads, param_dtype, grad_dtype):
+        lists = persistent.get(self.name) if self._has_static_lists else None
+        if lists is None:
+            return super().fits_cached_bucket(persistent, params, grads, param_dtype, grad_dtype)
+        return lists.accepts(grads, grad_dtype)  # the params are the lists' weights or params
+
     # ----------------------------------------------------------------- LAMB
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
         hyper, _ = _hyper_args(h, LAMB_FIELDS, b.device)
