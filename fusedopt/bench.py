@@ -153,12 +153,22 @@ def timm_optimizers():
     return lamb, lars
 
 
+def _cpp_isa() -> str:
+    """The instruction-set clone of the C++ CPU kernels (Note [ISA clones]), or why none runs."""
+    try:
+        from fusedopt import _C
+    except ImportError:
+        return "not built"
+    return _C.cpu_isa()
+
+
 def run(quick: bool = False, device: str = "cpu", repeats: int | None = None, only: str | None = None):
     dev = torch.device(device)
     repeats = repeats or (7 if quick else 15)
     print(f"torch {torch.__version__}, fusedopt {fusedopt.__version__}, device {dev}, "
           f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
-          f"cpus {os.cpu_count()}, backends {fusedopt.available_backends()}")
+          f"cpus {os.cpu_count()}, backends {fusedopt.available_backends()}, "
+          f"cpp kernels {_cpp_isa()}")
     for set_name, shapes in param_sets(quick).items():
         numel = sum(torch.Size(s).numel() for s in shapes)
         bw = inplace_bandwidth(numel, dev, repeats)

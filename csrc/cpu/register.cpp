@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "multi_tensor.h"
 #include "ops.h"
 
 TORCH_LIBRARY(fusedopt, m) {
@@ -49,6 +50,8 @@ PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
   using fusedopt::cpu::BucketLists;
   m.doc() = "fusedopt C++ CPU kernels, registered as torch.ops.fusedopt.*, and BucketLists";
+  m.def("cpu_isa", &fusedopt::cpu::cpu_isa_name,
+        "The instruction-set clone the CPU kernels run: baseline, avx2 or avx512.");
   py::class_<BucketLists>(m, "BucketLists",
                           "The static tensor lists of one bucket (Note [static lists], ops.h).")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
