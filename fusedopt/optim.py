@@ -61,13 +61,13 @@ class _GroupCache:
     """What a param group's single bucket was built from, reused while nothing changed.
 
     Note [plan cache]: gathering thousands of tensors into lists costs Python time on every step.
-    A group whose params with grads, state tensors, dtypes and options are the same objects as
-    at the last step, with contiguous tensors throughout, reuses the lists of the last step and
-    only takes the new grads, which its backend checks (``Backend.fits_cached_bucket``: dtype,
-    layout). Anything else takes the full path, which validates and rebuilds. The cached buckets
-    share one ``persistent`` dict, where a backend may keep a native handle of the lists (the cpp
-    backend's BucketLists, Note [static lists] in csrc/cpu/ops.h). ``load_state_dict`` and replacing a state tensor are
-    detected; replacing a param's whole state dict by hand is not (use ``load_state_dict``).
+    A group whose params with grads, state dicts, state tensors, dtypes and options are the same
+    objects as at the last step, with contiguous tensors throughout, reuses the lists of the last
+    step and only takes the new grads, which its backend checks (``Backend.fits_cached_bucket``:
+    dtype, layout). Anything else takes the full path, which validates and rebuilds: a state dict
+    or a state tensor replaced or deleted by hand, ``load_state_dict``, another backend option.
+    The cached buckets share one ``persistent`` dict, where a backend may keep a native handle of
+    the lists (the cpp backend's BucketLists, Note [static lists] in csrc/cpu/ops.h).
     """
 
     params: list[torch.Tensor]
@@ -169,9 +169,16 @@ class _TrustRatioOptimizer(Optimizer):
                 or c.options != (group["backend"], group["master_weights"])
                 or not all(map(is_, ps, c.params))):
             return None
+        # a param's state dict replaced or deleted (opt.state[p] = {...}; del opt.state[p]), then
+        # a state tensor replaced or removed inside it
+        if not all(map(is_, map(self.state.__getitem__, ps), c.states)):
+            return None
         for name in self._state_keys + ("step", "master_param"):
             cached = c.lists.get("masters" if name == "master_param" else name + "s")
-            if cached is not None and not all(map(is_, map(itemgetter(name), c.states), cached)):
+            try:
+                if cached is not None and not all(map(is_, map(itemgetter(name), c.states), cached)):
+                    return None
+            except KeyError:
                 return None
         if not c.backend.fits_cached_bucket(c.persistent, ps, gs, c.p_dtype, c.g_dtype):
             return None

@@ -424,6 +424,27 @@ def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind):
     assert opt.state[m[2].bias]["step"].item() == 3 and opt.state[w]["step"].item() == 4
 
 
+@pytest.mark.parametrize("reset", ["del_state", "new_state_dict"])
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_plan_sees_a_state_reset_by_hand(kind, backend, reset):
+    """Resetting one param's state (as some training loops do) restarts it on the next step, with
+    the plan cache as without it."""
+    m = model()
+    opt = OPTS[kind](m.parameters(), backend=backend)
+    train(opt, m, 2)
+    w = m[0].weight
+    key = "exp_avg" if kind == "lamb" else "momentum_buffer"
+    if reset == "del_state":
+        del opt.state[w]
+    else:
+        opt.state[w] = {}
+    train(opt, m, 1)
+    assert opt.state[w]["step"].item() == 1
+    assert opt.state[m[0].bias]["step"].item() == 3
+    assert opt.state[w][key].abs().sum() > 0
+
+
 @pytest.mark.parametrize("change", ["transposed_grad", "bf16_grads"])
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
 @pytest.mark.parametrize("kind", KINDS)
