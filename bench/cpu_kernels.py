@@ -4,7 +4,8 @@
     python bench/cpu_kernels.py --rounds 30 --sets small
 
 Per round every candidate runs once, in turn, so slow phases of a shared machine hit all of them;
-the table gives the median (and the fastest) ms/step. Besides whole ``step()`` calls it times
+the table gives the median (and the fastest) ms/step. Besides whole ``step()`` calls (and timm's
+``Lamb`` when timm is installed) it times
 ``a.add_(c, alpha=s)`` over a buffer of the same size (12 B/element: the bandwidth yardstick), the
 two kernel passes alone (the backend calls on a prebuilt bucket) and the Python gathering of
 ``step()`` (``_build_plan``), so the per-tensor Python overhead can be read off.
@@ -20,7 +21,7 @@ import torch
 
 import fusedopt
 from fusedopt.backends import get_backend
-from fusedopt.bench import BYTES_PER_ELEMENT, bert_base_shapes
+from fusedopt.bench import BYTES_PER_ELEMENT, bert_base_shapes, timm_optimizers
 
 SETS = {"bert": ("bert-base", bert_base_shapes()), "small": ("4000 x 2,500", [(2500,)] * 4000)}
 
@@ -64,6 +65,10 @@ def bench_set(label, shapes, rounds, eager_rounds):
         "cpp LARS passes only": (BYTES_PER_ELEMENT["lars"], _passes(lars, "lars")),
         "torch AdamW(fused=True)": (BYTES_PER_ELEMENT["adamw"], adamw.step),
     }
+    timm = timm_optimizers()
+    if timm is not None:
+        timm_lamb = timm[0](params, always_adapt=True, max_grad_norm=None)
+        cands["timm Lamb (foreach) step"] = (BYTES_PER_ELEMENT["lamb"], timm_lamb.step)
     times = {k: [] for k in cands}
     for fn in [v[1] for v in cands.values()]:
         fn()  # warm-up (creates the state)
@@ -111,7 +116,9 @@ def main():
         ratio = r["cpp LAMB step"] / r["torch AdamW(fused=True)"]
         print(f"{name}: cpp LAMB / AdamW(fused) = {ratio:.2f}"
               + (f"; eager LAMB / cpp LAMB = {r['eager LAMB step'] / r['cpp LAMB step']:.1f}"
-                 if "eager LAMB step" in r else ""))
+                 if "eager LAMB step" in r else "")
+              + (f"; timm Lamb / cpp LAMB = {r['timm Lamb (foreach) step'] / r['cpp LAMB step']:.1f}"
+                 if "timm Lamb (foreach) step" in r else ""))
 
 
 if __name__ == "__main__":
