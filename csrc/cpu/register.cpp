@@ -59,12 +59,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("weights"), py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
            py::arg("momentum_buffers"), py::arg("steps"))
       .def("accepts", &BucketLists::accepts, py::arg("grads"), py::arg("grad_dtype"))
+      // the passes run without the GIL, as torch.ops calls do (other Python threads go on)
       .def("lamb_pass1", &BucketLists::lamb_pass1, py::arg("grads"), py::arg("hyper"),
-           py::arg("grad_mult"), py::arg("found_inf"))
+           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
       .def("lamb_pass2", &BucketLists::lamb_pass2, py::arg("sums"), py::arg("hyper"),
-           py::arg("lr"), py::arg("found_inf"))
+           py::arg("lr"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
       .def("lars_pass1", &BucketLists::lars_pass1, py::arg("grads"), py::arg("hyper"),
-           py::arg("grad_mult"), py::arg("found_inf"))
+           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
       .def("lars_pass2", &BucketLists::lars_pass2, py::arg("grads"), py::arg("sums"),
-           py::arg("hyper"), py::arg("lr"), py::arg("grad_mult"), py::arg("found_inf"));
+           py::arg("hyper"), py::arg("lr"), py::arg("grad_mult"), py::arg("found_inf"),
+           py::call_guard<py::gil_scoped_release>());
 }
