@@ -42,7 +42,8 @@ class Bucket:
     """
 
     params: list[torch.Tensor]
-    grads: list[torch.Tensor]
+    # None when the backend took the grads itself (Backend.take_cached_grads, cached buckets only)
+    grads: list[torch.Tensor] | None
     steps: list[torch.Tensor]
     exp_avgs: list[torch.Tensor] | None = None
     exp_avg_sqs: list[torch.Tensor] | None = None
@@ -116,7 +117,7 @@ def _grad_multipliers(plan, hypers, grad_scale, reducer):
         dev0 = plan[0][1][0][1].device
         for _, entries in plan:
             for be, b in entries:
-                parts.append(be.sq_norms(b.grads).to(dev0, torch.float64).sum())
+                parts.append(be.grad_sq_norms(b).to(dev0, torch.float64).sum())
         total = torch.stack(parts).sum()
         if reducer is not None:
             reducer.reduce_grad_sq(total)

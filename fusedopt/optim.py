@@ -67,7 +67,9 @@ class _GroupCache:
     dtype, layout). Anything else takes the full path, which validates and rebuilds: a state dict
     or a state tensor replaced or deleted by hand, ``load_state_dict``, another backend option.
     The cached buckets share one ``persistent`` dict, where a backend may keep a native handle of
-    the lists (the cpp backend's BucketLists, Note [static lists] in csrc/cpu/ops.h).
+    the lists (the cpp backend's BucketLists, Note [static lists] in csrc/cpu/ops.h). When the
+    cached bucket holds every param of its group, such a backend may also read the grads itself
+    (``Backend.take_cached_grads``): the step then builds no Python list of grads at all.
     """
 
     params: list[torch.Tensor]
@@ -79,6 +81,7 @@ class _GroupCache:
     backend: _backends.Backend
     lists: dict[str, list[torch.Tensor]]  # Bucket fields except grads
     persistent: dict  # the buckets' ``persistent`` dict (backend handles of the lists)
+    whole_group: bool  # every param of the group is in the bucket (none was without a grad)
 
 
 class _TrustRatioOptimizer(Optimizer):
@@ -163,7 +166,24 @@ class _TrustRatioOptimizer(Optimizer):
         return devices, p_dtypes, g_dtypes
 
     def _cached(self, gi: int, group: dict[str, Any], ps, gs) -> _GroupCache | None:
-        """The group's cache entry if it still describes ``ps`` (see Note [plan cache])."""
+        """The group's cache entry if it still describes ``ps`` and can take ``gs`` (see Note
+        [plan cache])."""
+        c = self._unchanged(gi, group, ps)
+        if c is None or not c.backend.fits_cached_bucket(c.persistent, ps, gs, c.p_dtype, c.g_dtype):
+            return None
+        return c
+
+    def _natively_cached(self, gi: int, group: dict[str, Any]) -> _GroupCache | None:
+        """The group's cache entry if it holds every param of the group, nothing changed, and its
+        backend took the grads natively (``Backend.take_cached_grads``): no Python list of grads."""
+        c = self._plan_cache.get(gi)
+        if c is None or not c.whole_group or self._unchanged(gi, group, group["params"]) is None:
+            return None
+        return c if c.backend.take_cached_grads(c.persistent, c.g_dtype) else None
+
+    def _unchanged(self, gi: int, group: dict[str, Any], ps) -> _GroupCache | None:
+        """The group's cache entry if ``ps``, their state and the group's options are the objects
+        it was built from."""
         c = self._plan_cache.get(gi)
         if (c is None or c.state is not self.state or len(ps) != len(c.params)
                 or c.options != (group["backend"], group["master_weights"])
@@ -180,8 +200,6 @@ class _TrustRatioOptimizer(Optimizer):
                     return None
             except KeyError:
                 return None
-        if not c.backend.fits_cached_bucket(c.persistent, ps, gs, c.p_dtype, c.g_dtype):
-            return None
         return c
 
     def _remember(self, gi, group, ps, states, backend, b: Bucket) -> None:
@@ -190,11 +208,16 @@ class _TrustRatioOptimizer(Optimizer):
         self._plan_cache[gi] = _GroupCache(
             params=ps, state=self.state, states=states,
             options=(group["backend"], group["master_weights"]), p_dtype=b.param_dtype,
-            g_dtype=b.grad_dtype, backend=backend, lists=lists, persistent=b.persistent)
+            g_dtype=b.grad_dtype, backend=backend, lists=lists, persistent=b.persistent,
+            whole_group=len(ps) == len(group["params"]))
 
     def _build_plan(self):
         staged = []
         for gi, group in enumerate(self.param_groups):
+            native = self._natively_cached(gi, group)
+            if native is not None:  # grads taken by the backend: grads=None
+                staged.append((group, native, None, None, None, None))
+                continue
             gs = [p.grad for p in group["params"]]
             if any(map(is_, gs, repeat(None))):  # skip params without grads
                 has = [g is not None for g in gs]

@@ -298,6 +298,28 @@ def test_static_lists_equal_the_operators_bit_for_bit(kind, dtype, monkeypatch):
     _assert_bitwise(fast, slow)
 
 
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_cached_buckets_take_their_grads_in_cpp_and_let_go_of_them(kind):
+    """Note [grads taken in C++]: a cached bucket's step builds no Python list of grads, and
+    after the step the C++ side holds no grad (zero_grad(set_to_none=True) frees them)."""
+    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+    opt = _opt(kind, params, max_grad_norm=1.0)
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    lists = opt._plan_cache[0].persistent["cpp"]
+    with pytest.raises(RuntimeError, match="no grads taken"):
+        lists.taken_grad_sq_norms()
+    (h, [(be, bucket)]), = opt._build_plan()
+    assert bucket.grads is None
+    torch.testing.assert_close(lists.taken_grad_sq_norms(),
+                               CPP.sq_norms([p.grad for p in params]), rtol=0, atol=0)
+    for p in params[:2]:
+        p.grad = None  # a grad missing: the step gathers grads in Python
+    (h, [(be, bucket)]), = opt._build_plan()
+    assert bucket.grads is not None and len(bucket.grads) == len(params) - 2
+
+
 def test_static_lists_are_rebuilt_when_the_state_is_replaced():
     params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
     opt = _opt("lamb", params)

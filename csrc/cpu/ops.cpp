@@ -552,60 +552,91 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
 
 BucketLists::BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor> params,
                          std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-                         std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps)
+                         std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps,
+                         std::vector<at::Tensor> grad_holders)
     : weights_(std::move(weights)),
       params_(std::move(params)),
       exp_avgs_(std::move(exp_avgs)),
       exp_avg_sqs_(std::move(exp_avg_sqs)),
       momentum_buffers_(std::move(momentum_buffers)),
-      steps_(std::move(steps)) {
+      steps_(std::move(steps)),
+      grad_holders_(std::move(grad_holders)) {
   weight_dtype_ = check_list(weights_, weights_, "weights");
   param_dtype_ = params_.empty() ? weight_dtype_ : check_list(params_, weights_, "params");
+  TORCH_CHECK(grad_holders_.size() == weights_.size(), "fusedopt cpp backend: ", weights_.size(),
+              " weights but ", grad_holders_.size(), " grad holders");
+}
+
+bool BucketLists::grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_dtype) const {
+  const at::Tensor& w = weights_[i];
+  return w.scalar_type() == weight_dtype_ &&
+         (params_.empty() || params_[i].scalar_type() == param_dtype_) && g.defined() &&
+         g.layout() == at::kStrided && g.scalar_type() == grad_dtype && g.device().is_cpu() &&
+         g.numel() == w.numel() && g.is_non_overlapping_and_dense() && g.strides() == w.strides();
 }
 
 bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const {
   if (grads.size() != weights_.size()) return false;
   for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    const at::Tensor& w = weights_[i];
-    if (w.scalar_type() != weight_dtype_ ||
-        (!params_.empty() && params_[i].scalar_type() != param_dtype_) ||
-        g.layout() != at::kStrided || g.scalar_type() != grad_dtype || !g.device().is_cpu() ||
-        g.numel() != w.numel() || !g.is_non_overlapping_and_dense() || g.strides() != w.strides()) {
-      return false;
-    }
+    if (!grad_fits(grads[i], i, grad_dtype)) return false;
   }
   return true;
 }
 
-at::Tensor BucketLists::lamb_pass1(const std::vector<at::Tensor>& grads,
-                                   const std::vector<double>& hyper,
+bool BucketLists::take_grads(at::ScalarType grad_dtype) {
+  taken_.clear();
+  taken_.reserve(grad_holders_.size());
+  for (size_t i = 0; i < grad_holders_.size(); ++i) {
+    const at::Tensor& g = grad_holders_[i].grad();
+    if (!grad_fits(g, i, grad_dtype)) {
+      taken_.clear();
+      return false;
+    }
+    taken_.push_back(g);
+  }
+  return true;
+}
+
+at::Tensor BucketLists::taken_grad_sq_norms() const {
+  TORCH_CHECK(taken_.size() == weights_.size(), "fusedopt cpp backend: no grads taken");
+  return cpu::sq_norms(taken_);
+}
+
+const std::vector<at::Tensor>& BucketLists::grads_or_taken(const Grads& grads) const {
+  if (grads.has_value()) return *grads;
+  TORCH_CHECK(taken_.size() == weights_.size(), "fusedopt cpp backend: no grads taken");
+  return taken_;
+}
+
+at::Tensor BucketLists::lamb_pass1(const Grads& grads, const std::vector<double>& hyper,
                                    const std::optional<at::Tensor>& grad_mult,
                                    const std::optional<at::Tensor>& found_inf) const {
-  return cpu::lamb_pass1(weights_, grads, exp_avgs_, exp_avg_sqs_, steps_, hyper, grad_mult,
-                         found_inf);
+  return cpu::lamb_pass1(weights_, grads_or_taken(grads), exp_avgs_, exp_avg_sqs_, steps_, hyper,
+                         grad_mult, found_inf);
 }
 
 void BucketLists::lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
                              const std::optional<at::Tensor>& lr,
-                             const std::optional<at::Tensor>& found_inf) const {
+                             const std::optional<at::Tensor>& found_inf) {
+  taken_.clear();  // LAMB's pass 2 reads no grads
   cpu::lamb_pass2(weights_, params_, exp_avgs_, exp_avg_sqs_, steps_, sums, hyper, lr, found_inf);
 }
 
-at::Tensor BucketLists::lars_pass1(const std::vector<at::Tensor>& grads,
-                                   const std::vector<double>& hyper,
+at::Tensor BucketLists::lars_pass1(const Grads& grads, const std::vector<double>& hyper,
                                    const std::optional<at::Tensor>& grad_mult,
                                    const std::optional<at::Tensor>& found_inf) const {
-  return cpu::lars_pass1(weights_, grads, steps_, hyper, grad_mult, found_inf);
+  return cpu::lars_pass1(weights_, grads_or_taken(grads), steps_, hyper, grad_mult, found_inf);
 }
 
-void BucketLists::lars_pass2(const std::vector<at::Tensor>& grads, const at::Tensor& sums,
+void BucketLists::lars_pass2(const Grads& grads, const at::Tensor& sums,
                              const std::vector<double>& hyper,
                              const std::optional<at::Tensor>& lr,
                              const std::optional<at::Tensor>& grad_mult,
-                             const std::optional<at::Tensor>& found_inf) const {
-  cpu::lars_pass2(weights_, params_, grads, momentum_buffers_, steps_, sums, hyper, lr, grad_mult,
-                  found_inf);
+                             const std::optional<at::Tensor>& found_inf) {
+  std::vector<at::Tensor> taken;
+  taken.swap(taken_);  // let go of the taken grads when this call ends
+  cpu::lars_pass2(weights_, params_, grads.has_value() ? *grads : taken, momentum_buffers_, steps_,
+                  sums, hyper, lr, grad_mult, found_inf);
 }
 
 }  // namespace cpu

@@ -94,9 +94,11 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
 // the state an optimizer does not have (momentum_buffers for LAMB, params without masters).
 class BucketLists {
  public:
+  // grad_holders are the tensors whose .grad are the bucket's grads (the optimizer's params).
   BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor> params,
               std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-              std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps);
+              std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps,
+              std::vector<at::Tensor> grad_holders);
 
   // Whether a step with these grads can reuse the lists: the grads have dtype grad_dtype and the
   // layout (numel, dense strides) of their weights, and the weights and params still have the
@@ -104,22 +106,36 @@ class BucketLists {
   // C++ loop instead of a Python pass per property over thousands of tensors.
   bool accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const;
 
-  at::Tensor lamb_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
+  // Note [grads taken in C++]: reads every grad holder's .grad here, so that a step needs no
+  // Python list of grads: after a backward pass the grads have no Python objects yet, and
+  // `[p.grad for p in params]` would create one per tensor. Returns false (and keeps nothing) if a
+  // grad is missing or accepts() would refuse the grads; else the passes called without grads use
+  // these, and pass 2 lets go of them (so zero_grad(set_to_none=True) frees their memory).
+  bool take_grads(at::ScalarType grad_dtype);
+  // Per-tensor sums of squares of the taken grads (global clipping), as the sq_norms operator.
+  at::Tensor taken_grad_sq_norms() const;
+
+  // grads: this step's grads, or nullopt for the taken ones.
+  using Grads = std::optional<std::vector<at::Tensor>>;
+  at::Tensor lamb_pass1(const Grads& grads, const std::vector<double>& hyper,
                         const std::optional<at::Tensor>& grad_mult,
                         const std::optional<at::Tensor>& found_inf) const;
   void lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
-                  const std::optional<at::Tensor>& lr,
-                  const std::optional<at::Tensor>& found_inf) const;
-  at::Tensor lars_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
+                  const std::optional<at::Tensor>& lr, const std::optional<at::Tensor>& found_inf);
+  at::Tensor lars_pass1(const Grads& grads, const std::vector<double>& hyper,
                         const std::optional<at::Tensor>& grad_mult,
                         const std::optional<at::Tensor>& found_inf) const;
-  void lars_pass2(const std::vector<at::Tensor>& grads, const at::Tensor& sums,
-                  const std::vector<double>& hyper, const std::optional<at::Tensor>& lr,
-                  const std::optional<at::Tensor>& grad_mult,
-                  const std::optional<at::Tensor>& found_inf) const;
+  void lars_pass2(const Grads& grads, const at::Tensor& sums, const std::vector<double>& hyper,
+                  const std::optional<at::Tensor>& lr, const std::optional<at::Tensor>& grad_mult,
+                  const std::optional<at::Tensor>& found_inf);
 
  private:
+  bool grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_dtype) const;
+  const std::vector<at::Tensor>& grads_or_taken(const Grads& grads) const;
+
   std::vector<at::Tensor> weights_, params_, exp_avgs_, exp_avg_sqs_, momentum_buffers_, steps_;
+  std::vector<at::Tensor> grad_holders_;
+  std::vector<at::Tensor> taken_;  // Note [grads taken in C++]
   at::ScalarType weight_dtype_, param_dtype_;
 };
 

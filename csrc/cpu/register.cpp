@@ -55,11 +55,15 @@ PYBIND11_MODULE(_C, m) {
   py::class_<BucketLists>(m, "BucketLists",
                           "The static tensor lists of one bucket (Note [static lists], ops.h).")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>(),
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>>(),
            py::arg("weights"), py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
-           py::arg("momentum_buffers"), py::arg("steps"))
+           py::arg("momentum_buffers"), py::arg("steps"), py::arg("grad_holders"))
       .def("accepts", &BucketLists::accepts, py::arg("grads"), py::arg("grad_dtype"))
-      // the passes run without the GIL, as torch.ops calls do (other Python threads go on)
+      .def("take_grads", &BucketLists::take_grads, py::arg("grad_dtype"))
+      .def("taken_grad_sq_norms", &BucketLists::taken_grad_sq_norms)
+      // the passes run without the GIL, as torch.ops calls do (other Python threads go on);
+      // grads=None: the grads of take_grads (Note [grads taken in C++], ops.h)
       .def("lamb_pass1", &BucketLists::lamb_pass1, py::arg("grads"), py::arg("hyper"),
            py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
       .def("lamb_pass2", &BucketLists::lamb_pass2, py::arg("sums"), py::arg("hyper"),

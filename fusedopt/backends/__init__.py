@@ -44,6 +44,18 @@ class Backend:
     def sq_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def grad_sq_norms(self, b: Bucket) -> torch.Tensor:
+        """Per-tensor Σg² of the bucket's grads, ``[n]`` (global clipping)."""
+        return self.sq_norms(b.grads)
+
+    def take_cached_grads(self, persistent: dict, grad_dtype: torch.dtype) -> bool:
+        """For a cached bucket that holds every param of its group: read the params' grads
+        natively, without a Python list (Note [grads taken in C++] in csrc/cpu/ops.h), if they fit
+        as ``fits_cached_bucket`` would check. True: the step's bucket gets ``grads=None`` and the
+        backend's passes and ``grad_sq_norms`` use the taken grads. False (the default): the
+        optimizer gathers ``[p.grad for p in params]`` itself."""
+        return False
+
     def fits_cached_bucket(self, persistent: dict, params: list[torch.Tensor],
                            grads: list[torch.Tensor], param_dtype: torch.dtype,
                            grad_dtype: torch.dtype) -> bool:

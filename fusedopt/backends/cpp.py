@@ -132,8 +132,17 @@ class CppBackend(Backend):
             from .. import _C
             lists = b.persistent[self.name] = _C.BucketLists(
                 b.weights, _low_precision_params(b), b.exp_avgs or [], b.exp_avg_sqs or [],
-                b.momentum_buffers or [], b.steps)
+                b.momentum_buffers or [], b.steps, b.params)
         return lists
+
+    def grad_sq_norms(self, b: Bucket):
+        if b.grads is None:  # taken by take_cached_grads
+            return self._static_lists(b).taken_grad_sq_norms()
+        return super().grad_sq_norms(b)
+
+    def take_cached_grads(self, persistent, grad_dtype):
+        lists = persistent.get(self.name) if self._has_static_lists else None
+        return lists is not None and lists.take_grads(grad_dtype)
 
     def fits_cached_bucket(self, persistent, params, grads, param_dtype, grad_dtype):
         lists = persistent.get(self.name) if self._has_static_lists else None
