@@ -13,6 +13,11 @@ A backend implements the two passes of a trust-ratio step for one :class:`~fused
 ``grad_mult`` (0-dim tensor or None) multiplies every gradient as it is read (GradScaler unscale and
 global clipping, ``1 / (scale · c)``); ``found_inf`` (0-dim tensor or None), when nonzero, makes the
 whole step a no-op. Neither is ever read on the host.
+
+Optional hooks for the optimizer's plan cache (Note [plan cache] in fusedopt/optim.py), with
+working defaults: ``fits_cached_bucket`` (may a cached bucket take this step's grads?),
+``take_cached_grads`` (read the grads natively instead of a Python list; default: no) and
+``grad_sq_norms`` (the grads' ``Σg²`` for global clipping, also when they were taken natively).
 """
 from __future__ import annotations
 
