@@ -174,12 +174,15 @@ class _TrustRatioOptimizer(Optimizer):
         return c
 
     def _natively_cached(self, gi: int, group: dict[str, Any]) -> _GroupCache | None:
-        """The group's cache entry if it holds every param of the group, nothing changed, and its
-        backend took the grads natively (``Backend.take_cached_grads``): no Python list of grads."""
+        """The group's cache entry if it holds every param of the group, its backend took the
+        grads natively (``Backend.take_cached_grads``: no Python list of grads), and nothing
+        changed. The backend is asked first: one that cannot take grads costs nothing here, and the
+        identity checks run once per step, in ``_cached`` otherwise. Grads taken for an entry that
+        turns out stale go with it when the full path rebuilds the cache."""
         c = self._plan_cache.get(gi)
-        if c is None or not c.whole_group or self._unchanged(gi, group, group["params"]) is None:
+        if c is None or not c.whole_group or not c.backend.take_cached_grads(c.persistent, c.g_dtype):
             return None
-        return c if c.backend.take_cached_grads(c.persistent, c.g_dtype) else None
+        return self._unchanged(gi, group, group["params"])
 
     def _unchanged(self, gi: int, group: dict[str, Any], ps) -> _GroupCache | None:
         """The group's cache entry if ``ps``, their state and the group's options are the objects
