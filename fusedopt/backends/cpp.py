@@ -12,6 +12,7 @@ This module also registers the fake (meta) implementations of the operators, so 
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -31,17 +32,17 @@ LARS_FIELDS = ("lr", "momentum", "dampening", "weight_decay", "trust_coefficient
                "nesterov", "trust_clip", "combined", "lr_in_momentum", "adapt")
 
 
-def _load_extension() -> None:
-    """Import ``fusedopt._C`` (which registers the operators), or raise ImportError with guidance."""
+def load_extension(module: str, what: str, guidance: str) -> None:
+    """Import ``fusedopt.<module>``, or raise ImportError naming it, the build error recorded at
+    install (setup.py keeps a failed build from failing the install), and ``guidance``."""
     try:
-        from .. import _C  # noqa: F401
+        importlib.import_module(f"fusedopt.{module}")
     except ImportError as e:
-        msg = f"the fusedopt C++ extension (fusedopt._C) is not importable: {e}."
+        msg = f"the fusedopt {what} (fusedopt.{module}) is not importable: {e}."
         if os.path.exists(_BUILD_ERRORS):
             with open(_BUILD_ERRORS) as f:
-                msg += f" Its build failed: {f.read().strip()}."
-        msg += " Reinstall with `pip install --no-build-isolation -e .` (needs a C++17 compiler)."
-        raise ImportError(msg) from e
+                msg += f" Build errors recorded at install: {f.read().strip()}."
+        raise ImportError(f"{msg} {guidance}") from e
 
 
 def _hyper_args(h, fields: tuple[str, ...], device: torch.device):
@@ -103,7 +104,8 @@ class CppBackend(Backend):
 
     def __init__(self):
         global _fakes_registered
-        _load_extension()
+        load_extension("_C", "C++ extension", "Reinstall with `pip install --no-build-isolation "
+                       "-e .` (needs a C++20 compiler).")
         if not _fakes_registered:
             _register_fakes()
             _fakes_registered = True

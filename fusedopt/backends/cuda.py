@@ -20,32 +20,12 @@ build of torch, no nvcc) or does not load, the constructor raises ImportError wi
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from .cpp import CppBackend
+from .cpp import CppBackend, load_extension
 
 _LOW = (torch.float32, torch.bfloat16, torch.float16)
-_BUILD_ERRORS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_errors.txt")
-
-
-def _load_cuda_extension() -> None:
-    """Import ``fusedopt._cuda`` (the CUDA kernels of the operators), or raise ImportError."""
-    try:
-        from .. import _cuda  # noqa: F401
-    except ImportError as e:
-        msg = f"the fusedopt CUDA extension (fusedopt._cuda) is not importable: {e}."
-        if os.path.exists(_BUILD_ERRORS):
-            with open(_BUILD_ERRORS) as f:
-                msg += f" Build errors recorded at install: {f.read().strip()}."
-        if torch.version.cuda is None:
-            msg += (f" This torch ({torch.__version__}) is a CPU build, which cannot link a CUDA "
-                    "extension; install a CUDA build of torch first.")
-        msg += (" Reinstall with `pip install --no-build-isolation -e .` with nvcc on PATH "
-                "(FUSEDOPT_BUILD_CUDA=1 forces the CUDA build; TORCH_CUDA_ARCH_LIST picks the "
-                "GPU architectures).")
-        raise ImportError(msg) from e
 
 
 class CudaBackend(CppBackend):
@@ -56,7 +36,14 @@ class CudaBackend(CppBackend):
 
     def __init__(self):
         super().__init__()  # fusedopt._C: the operator schemas and fakes
-        _load_cuda_extension()
+        guidance = ""
+        if torch.version.cuda is None:
+            guidance = (f"This torch ({torch.__version__}) is a CPU build, which cannot link a CUDA "
+                        "extension; install a CUDA build of torch first. ")
+        load_extension("_cuda", "CUDA extension", guidance + (
+            "Reinstall with `pip install --no-build-isolation -e .` with nvcc on PATH "
+            "(FUSEDOPT_BUILD_CUDA=1 forces the CUDA build; TORCH_CUDA_ARCH_LIST picks the GPU "
+            "architectures)."))
 
     def unavailable_reason(self, device, param_dtype, grad_dtype):
         if device.type != "cuda":
