@@ -20,7 +20,6 @@ build of torch, no nvcc) or does not load, the constructor raises ImportError wi
 """
 from __future__ import annotations
 
-
 import torch
 
 from .cpp import CppBackend, load_extension
