@@ -108,14 +108,9 @@ cudaError_t run_pass1(const BucketPtrs& b, const LarsHyper& h, const DeviceScala
   const Op op{h, static_cast<const T*>(s.grad_mult), s.found_inf, partials};
   void* const* const lists[Op::kRows] = {b.weights, b.grads,
                                          reinterpret_cast<void* const*>(b.steps)};
-  return for_each_table<Op::kRows>(
-      b.n, b.numel, lists, /*keep_empty=*/true,
-      [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
-        const cudaError_t err = launch_chunks(table, blocks, op, stream);
-        if (err != cudaSuccess) return err;
-        return launch_reduce<2, Op::kStep>(table, static_cast<const T*>(partials), sums,
-                                           s.found_inf, stream);
-      });
+  return run_pass_with_norms<2, Op::kStep>(b.n, b.numel, lists, op,
+                                            static_cast<const T*>(partials), sums, s.found_inf,
+                                            stream);
 }
 
 template <typename T, typename W, typename G, typename P>
@@ -124,15 +119,12 @@ cudaError_t run_pass2(const BucketPtrs& b, const LarsHyper& h, const DeviceScala
   using Op = LarsPass2<T, W, G, P>;
   const Op op{h, sums, static_cast<const T*>(s.grad_mult), s.found_inf, s.lr};
   void* const* const steps = reinterpret_cast<void* const*>(b.steps);
-  auto launch = [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
-    return launch_chunks(table, blocks, op, stream);
-  };
   if constexpr (Op::kHasParam) {
     void* const* const lists[Op::kRows] = {b.weights, b.grads, b.state1, b.params, steps};
-    return for_each_table<Op::kRows>(b.n, b.numel, lists, /*keep_empty=*/false, launch);
+    return run_pass(b.n, b.numel, lists, op, stream);
   } else {
     void* const* const lists[Op::kRows] = {b.weights, b.grads, b.state1, steps};
-    return for_each_table<Op::kRows>(b.n, b.numel, lists, /*keep_empty=*/false, launch);
+    return run_pass(b.n, b.numel, lists, op, stream);
   }
 }
 

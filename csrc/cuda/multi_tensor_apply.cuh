@@ -230,6 +230,36 @@ cudaError_t launch_reduce(const TensorTable<kRows>& table, const T* partials, T*
   return cudaGetLastError();
 }
 
+// A pass with norms (sq_norms, pass 1 of LAMB and LARS): for each table of `lists` (one row per
+// list, in Op's row order), Op's chunk kernel writes K partial sums per chunk, then the reduction
+// adds them per tensor in chunk order into sums [n, K] (and advances the step counts of row
+// kStepRow unless found_inf; -1: no step counts).
+template <int K, int kStepRow, typename Op, typename T>
+cudaError_t run_pass_with_norms(int64_t n, const int64_t* numel,
+                                void* const* const (&lists)[Op::kRows], const Op& op,
+                                const T* partials, T* sums, const float* found_inf,
+                                cudaStream_t stream) {
+  return for_each_table<Op::kRows>(
+      n, numel, lists, /*keep_empty=*/true,
+      [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
+        const cudaError_t err = launch_chunks(table, blocks, op, stream);
+        if (err != cudaSuccess) return err;
+        return launch_reduce<K, kStepRow>(table, partials, sums, found_inf, stream);
+      });
+}
+
+// A pass without norms (pass 2 of LAMB and LARS): Op's chunk kernel over each table of `lists`;
+// 0-size tensors are left out.
+template <typename Op>
+cudaError_t run_pass(int64_t n, const int64_t* numel, void* const* const (&lists)[Op::kRows],
+                     const Op& op, cudaStream_t stream) {
+  return for_each_table<Op::kRows>(
+      n, numel, lists, /*keep_empty=*/false,
+      [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
+        return launch_chunks(table, blocks, op, stream);
+      });
+}
+
 // ------------------------------------------------------------------------ element access
 
 // Stands for "no low-precision param to write": the weights are the params themselves.

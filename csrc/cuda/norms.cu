@@ -36,13 +36,8 @@ cudaError_t run(int64_t n, const int64_t* numel, void* const* data, T* out, T* p
   using Op = SqNorm<T, S>;
   const Op op{partials};
   void* const* const lists[Op::kRows] = {data};
-  return for_each_table<Op::kRows>(
-      n, numel, lists, /*keep_empty=*/true,
-      [&](const TensorTable<Op::kRows>& table, int64_t blocks) {
-        const cudaError_t err = launch_chunks(table, blocks, op, stream);
-        if (err != cudaSuccess) return err;
-        return launch_reduce<1, -1>(table, static_cast<const T*>(partials), out, nullptr, stream);
-      });
+  return run_pass_with_norms<1, -1>(n, numel, lists, op, static_cast<const T*>(partials), out,
+                                    nullptr, stream);
 }
 
 }  // namespace
