@@ -175,6 +175,30 @@ at::Tensor workspace(int64_t n, const int64_t* numel, int64_t k, const at::Tenso
   return at::empty({total_chunks(n, numel), k}, like.options().dtype(dtype));
 }
 
+// Pass 1 of either optimizer on the current stream: allocates the [n, 2] sums and the chunk
+// workspace, which launch(sums, partials, stream) fills.
+template <typename Launch>
+at::Tensor run_pass1(const Pointers& p, at::ScalarType compute, c10::Device device,
+                     const at::Tensor& like, const char* op, const Launch& launch) {
+  check_supported(p.b);
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor sums = at::empty({p.b.n, 2}, like.options().dtype(compute));
+  at::Tensor partials = workspace(p.b.n, p.b.numel, 2, sums, compute);
+  check_launch(launch(sums.data_ptr(), partials.data_ptr(), c10::cuda::getCurrentCUDAStream()), op);
+  return sums;
+}
+
+// Pass 2 of either optimizer on the current stream: launch(sums, stream) with pass 1's sums as a
+// dense tensor of the compute dtype.
+template <typename Launch>
+void run_pass2(const Pointers& p, const at::Tensor& sums, at::ScalarType compute,
+               c10::Device device, const char* op, const Launch& launch) {
+  check_supported(p.b);
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor s2 = sums_arg(sums, p.b.n, compute, device);
+  check_launch(launch(s2.const_data_ptr(), c10::cuda::getCurrentCUDAStream()), op);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------- ops
@@ -222,14 +246,10 @@ at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
   const LambHyper h = lamb_hyper(hyper);
   const DeviceScalars s = device_scalars(grad_mult, found_inf, std::nullopt, compute, device);
   const Pointers p(weights, grads, exp_avgs, exp_avg_sqs, {}, steps);
-  check_supported(p.b);
-  const c10::cuda::CUDAGuard guard(device);
-  at::Tensor sums = at::empty({p.b.n, 2}, weights[0].options().dtype(compute));
-  at::Tensor partials = workspace(p.b.n, p.b.numel, 2, sums, compute);
-  check_launch(launch_lamb_pass1(p.b, h, s, sums.data_ptr(), partials.data_ptr(),
-                                 c10::cuda::getCurrentCUDAStream()),
-               "lamb_pass1");
-  return sums;
+  return run_pass1(p, compute, device, weights[0], "lamb_pass1",
+                   [&](void* sums, void* partials, cudaStream_t stream) {
+                     return launch_lamb_pass1(p.b, h, s, sums, partials, stream);
+                   });
 }
 
 void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
@@ -245,11 +265,9 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
   const LambHyper h = lamb_hyper(hyper);
   const DeviceScalars s = device_scalars(std::nullopt, found_inf, lr, compute, device);
   const Pointers p(weights, {}, exp_avgs, exp_avg_sqs, params, steps);
-  check_supported(p.b);
-  const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor s2 = sums_arg(sums, p.b.n, compute, device);
-  check_launch(launch_lamb_pass2(p.b, h, s, s2.const_data_ptr(), c10::cuda::getCurrentCUDAStream()),
-               "lamb_pass2");
+  run_pass2(p, sums, compute, device, "lamb_pass2", [&](const void* s2, cudaStream_t stream) {
+    return launch_lamb_pass2(p.b, h, s, s2, stream);
+  });
 }
 
 at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorList steps,
@@ -262,14 +280,10 @@ at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
   const LarsHyper h = lars_hyper(hyper);
   const DeviceScalars s = device_scalars(grad_mult, found_inf, std::nullopt, compute, device);
   const Pointers p(weights, grads, {}, {}, {}, steps);
-  check_supported(p.b);
-  const c10::cuda::CUDAGuard guard(device);
-  at::Tensor sums = at::empty({p.b.n, 2}, weights[0].options().dtype(compute));
-  at::Tensor partials = workspace(p.b.n, p.b.numel, 2, sums, compute);
-  check_launch(launch_lars_pass1(p.b, h, s, sums.data_ptr(), partials.data_ptr(),
-                                 c10::cuda::getCurrentCUDAStream()),
-               "lars_pass1");
-  return sums;
+  return run_pass1(p, compute, device, weights[0], "lars_pass1",
+                   [&](void* sums, void* partials, cudaStream_t stream) {
+                     return launch_lars_pass1(p.b, h, s, sums, partials, stream);
+                   });
 }
 
 void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList grads,
@@ -286,11 +300,9 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
   const LarsHyper h = lars_hyper(hyper);
   const DeviceScalars s = device_scalars(grad_mult, found_inf, lr, compute, device);
   const Pointers p(weights, grads, momentum_buffers, {}, params, steps);
-  check_supported(p.b);
-  const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor s2 = sums_arg(sums, p.b.n, compute, device);
-  check_launch(launch_lars_pass2(p.b, h, s, s2.const_data_ptr(), c10::cuda::getCurrentCUDAStream()),
-               "lars_pass2");
+  run_pass2(p, sums, compute, device, "lars_pass2", [&](const void* s2, cudaStream_t stream) {
+    return launch_lars_pass2(p.b, h, s, s2, stream);
+  });
 }
 
 // The CPU and CUDA kernels of an operator must share one C++ signature (the schema's).
