@@ -95,6 +95,8 @@ class _TrustRatioOptimizer(Optimizer):
     def __init__(self, params, defaults: dict[str, Any]):
         super().__init__(params, defaults)
         self._plan_cache: dict[int, _GroupCache] = {}
+        self._state_seen: tuple | None = None  # see _state_as_seen
+        self._state_same = False
 
     # ---------------------------------------------------------------- groups
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -118,6 +120,8 @@ class _TrustRatioOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._plan_cache = {}
+        self._state_seen = None
+        self._state_same = False
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -194,7 +198,7 @@ class _TrustRatioOptimizer(Optimizer):
             return None
         # a param's state dict replaced or deleted (opt.state[p] = {...}; del opt.state[p]), then
         # a state tensor replaced or removed inside it
-        if not all(map(is_, map(self.state.__getitem__, ps), c.states)):
+        if not self._state_same and not all(map(is_, map(self.state.__getitem__, ps), c.states)):
             return None
         for name in self._state_keys + ("step", "master_param"):
             cached = c.lists.get("masters" if name == "master_param" else name + "s")
@@ -214,7 +218,29 @@ class _TrustRatioOptimizer(Optimizer):
             g_dtype=b.grad_dtype, backend=backend, lists=lists, persistent=b.persistent,
             whole_group=len(ps) == len(group["params"]))
 
+    def _state_as_seen(self) -> bool:
+        """Whether ``self.state`` holds the same params and state dicts, in the same order, as
+        when the last plan was built: then every cache entry's ``states`` still are the state
+        dicts of its params (each entry was checked or made by that plan). Two identity scans in
+        C, without hashing the params (a tensor's ``__hash__`` is a Python call): for 4000
+        params 0.2 ms instead of 1 ms."""
+        seen, st = self._state_seen, self.state
+        return (seen is not None and seen[0] is st and len(st) == len(seen[1])
+                and all(map(is_, st.keys(), seen[1])) and all(map(is_, st.values(), seen[2])))
+
     def _build_plan(self):
+        same = self._state_same = self._state_as_seen()
+        if not same:
+            self._state_seen = None  # until a plan is built from the state as it is now
+        try:
+            plan = self._plan_groups()
+        finally:
+            self._state_same = False
+        if not same:
+            self._state_seen = (self.state, list(self.state.keys()), list(self.state.values()))
+        return plan
+
+    def _plan_groups(self):
         staged = []
         for gi, group in enumerate(self.param_groups):
             native = self._natively_cached(gi, group)

@@ -320,6 +320,58 @@ def test_cached_buckets_take_their_grads_in_cpp_and_let_go_of_them(kind):
     assert bucket.grads is not None and len(bucket.grads) == len(params) - 2
 
 
+def _change_in_place(params, opt):
+    """Changes what three tensors hold without replacing the objects: a param's and a state
+    tensor's ``.data`` (new storages) and a param's ``share_memory_()`` (same storage, new data)."""
+    moved = []
+    for t in (params[3], opt.state[params[5]]["step"]):
+        before = t.data_ptr()
+        t.data = t.data.clone()
+        moved.append(t.data_ptr() != before)
+    before = params[4].data_ptr()
+    params[4].share_memory_()
+    moved.append(params[4].data_ptr() != before)
+    assert all(moved)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_static_lists_follow_tensors_changed_in_place(kind, monkeypatch):
+    """Note [checked lists] in ops.cpp: BucketLists keeps its static lists' data pointers between
+    steps; when a tensor's data moves while the objects stay (so the Python plan cache still holds)
+    it sees the change and steps the new data, as the operators do."""
+    runs = []
+    for static_lists in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(type(CPP), "_has_static_lists", static_lists)
+            params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+            opt = _opt(kind, params)
+            for step in range(4):
+                if step == 2:
+                    handle = opt._plan_cache[0].persistent.get("cpp")
+                    _change_in_place(params, opt)
+                _set_grads(params, step)
+                opt.step()
+            assert opt._plan_cache[0].persistent.get("cpp") is handle  # the same lists went on
+            runs.append(_snapshot(params, opt))
+    _assert_bitwise(*runs)
+
+
+def test_static_lists_raise_when_a_changed_tensor_no_longer_fits():
+    """A state tensor given data of another size between steps: the step raises the operators'
+    error and changes nothing."""
+    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+    opt = _opt("lamb", params)
+    _set_grads(params, 0)
+    opt.step()
+    big = max(range(len(params)), key=lambda i: params[i].numel())
+    opt.state[params[big]]["exp_avg"].data = torch.zeros(3)
+    _set_grads(params, 1)
+    before = _snapshot(params, opt)
+    with pytest.raises(RuntimeError, match=rf"exp_avgs\[{big}\] has shape \[3\]"):
+        opt.step()
+    _assert_bitwise(_snapshot(params, opt), before)
+
+
 def test_static_lists_are_rebuilt_when_the_state_is_replaced():
     params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
     opt = _opt("lamb", params)

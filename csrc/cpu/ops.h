@@ -4,7 +4,10 @@
 #include <ATen/ATen.h>
 #include <fusedopt/math.h>
 
+#include <array>
+#include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace fusedopt {
@@ -83,6 +86,9 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
                 const std::optional<at::Tensor>& grad_mult,
                 const std::optional<at::Tensor>& found_inf);
 
+struct CheckedLists;  // Note [checked lists] in ops.cpp
+class Fingerprints;
+
 // Note [static lists]: the tensors of a bucket that stay the same objects from step to step (the
 // weights, the bf16/fp16 params beside masters, the optimizer state and the step counts), held on
 // the C++ side so that a step passes only its gradients. Converting a Python list into a
@@ -90,8 +96,10 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
 // takes up to five lists, which for thousands of small tensors outweighs the arithmetic. The
 // optimizer's plan cache (fusedopt/optim.py, Note [plan cache]) keeps one BucketLists per bucket
 // while its tensors stay the same. The methods are the operators above with the static lists
-// filled in, and validate every list on every call as the operators do. Empty lists stand for
-// the state an optimizer does not have (momentum_buffers for LAMB, params without masters).
+// filled in; they check the static lists when made and then only look whether any of their
+// tensors changed (Note [checked lists] in ops.cpp), and check the grads of every step. Empty
+// lists stand for the state an optimizer does not have (momentum_buffers for LAMB, params
+// without masters).
 class BucketLists {
  public:
   // grad_holders are the tensors whose .grad are the bucket's grads (the optimizer's params).
@@ -99,6 +107,7 @@ class BucketLists {
               std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
               std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps,
               std::vector<at::Tensor> grad_holders);
+  ~BucketLists();
 
   // Whether a step with these grads can reuse the lists: the grads have dtype grad_dtype and the
   // layout (numel, dense strides) of their weights, and the weights and params still have the
@@ -119,24 +128,43 @@ class BucketLists {
   using Grads = std::optional<std::vector<at::Tensor>>;
   at::Tensor lamb_pass1(const Grads& grads, const std::vector<double>& hyper,
                         const std::optional<at::Tensor>& grad_mult,
-                        const std::optional<at::Tensor>& found_inf) const;
+                        const std::optional<at::Tensor>& found_inf);
   void lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
                   const std::optional<at::Tensor>& lr, const std::optional<at::Tensor>& found_inf);
   at::Tensor lars_pass1(const Grads& grads, const std::vector<double>& hyper,
                         const std::optional<at::Tensor>& grad_mult,
-                        const std::optional<at::Tensor>& found_inf) const;
+                        const std::optional<at::Tensor>& found_inf);
   void lars_pass2(const Grads& grads, const at::Tensor& sums, const std::vector<double>& hyper,
                   const std::optional<at::Tensor>& lr, const std::optional<at::Tensor>& grad_mult,
                   const std::optional<at::Tensor>& found_inf);
 
  private:
   bool grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_dtype) const;
-  const std::vector<at::Tensor>& grads_or_taken(const Grads& grads) const;
+  struct Taken {  // Note [grads taken in C++]
+    std::vector<at::Tensor> grads;
+    std::vector<const void*> ptrs;  // their data
+    at::ScalarType dtype = at::kFloat;
+  };
+  // The data pointers and dtype of a pass's grads: the given ones (checked as the operators check
+  // them) or the taken ones (checked by take_grads).
+  std::pair<std::vector<const void*>, at::ScalarType> grad_pointers(const Grads& grads,
+                                                                    const Taken& taken) const;
+  std::array<at::TensorList, 6> static_lists() const;
+  void recheck();                          // checks every static list, builds checked_
+  const CheckedLists& checked(bool pass2);  // Note [checked lists]
+  void require_state(bool lamb) const;       // the lists hold LAMB (or LARS) state
+  // Pass 1 of either optimizer: checks, then the zeros of a skipped step or run(lists, grad
+  // pointers, grad dtype) after bumping the version counters of the tensors it writes.
+  template <typename Run>
+  at::Tensor pass1(const Grads& grads, const std::optional<at::Tensor>& found_inf, const Run& run);
 
   std::vector<at::Tensor> weights_, params_, exp_avgs_, exp_avg_sqs_, momentum_buffers_, steps_;
   std::vector<at::Tensor> grad_holders_;
-  std::vector<at::Tensor> taken_;  // Note [grads taken in C++]
+  Taken taken_;
   at::ScalarType weight_dtype_, param_dtype_;
+  std::unique_ptr<CheckedLists> checked_;
+  std::unique_ptr<Fingerprints> fingerprints_;
+  bool checked_by_pass1_ = false;  // pass 2 of this step reuses checked_ unchanged
 };
 
 }  // namespace cpu
