@@ -3,10 +3,15 @@
     python -m fusedopt.bench            # BERT-base shaped params and 4000 small tensors
     python -m fusedopt.bench --quick    # a small, fast run
 
-For every optimizer it reports the median and the spread (interquartile range) of ms/step, the
-achieved GB/s by SPEC.md's bytes model (LAMB 40 B/element, LARS 28, AdamW 28, momentum SGD 20,
-+4 with global clipping), and that as a fraction of the in-place memory bandwidth measured in the
-same run (``a.add_(c, alpha=s)``: 12 B/element over a buffer the size of the parameter set).
+The candidates of a parameter set run interleaved: each round times one ``step()`` of every
+optimizer, in turn, and the in-place bandwidth yardstick (``a.add_(c, alpha=s)``: 12 B/element
+over a buffer the size of the parameter set), so that a shared machine whose speed drifts during
+the run slows all of them alike. For every optimizer it reports the median and the spread
+(interquartile range) of ms/step over the rounds, the achieved GB/s by SPEC.md's bytes model
+(LAMB 40 B/element, LARS 28, AdamW 28, momentum SGD 20, +4 with global clipping), and that as a
+fraction of the yardstick's GB/s. The last lines give the ratios the performance targets are
+stated in (against AdamW, timm and the eager backend; time per element of the many-small-tensors
+set over the BERT-base set).
 """
 from __future__ import annotations
 
@@ -72,25 +77,65 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], None], device: torch.device, repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
+YARDSTICK = "in-place a.add_(c, alpha=s)"
+
+
+def interleave(fns: dict[str, Callable[[], None]], device: torch.device, rounds: int,
+               warmup: int = 2) -> dict[str, list[float]]:
+    """ms of each call of each fn: ``warmup`` untimed calls each, then ``rounds`` rounds in
+    which every fn runs once, in turn."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append((time.perf_counter() - t0) * 1e3)
     return times
 
 
-def inplace_bandwidth(numel: int, device: torch.device, repeats: int) -> float:
-    """GB/s of ``a.add_(c, alpha=s)`` (reads a and c, writes a: 12 B/element)."""
-    a = torch.randn(numel, device=device)
-    c = torch.randn(numel, device=device)
-    times = time_fn(lambda: a.add_(c, alpha=1e-3), device, repeats, warmup=2)
-    return 12 * numel / (statistics.median(times) * 1e-3) / 1e9
+def print_table(set_name: str, n_tensors: int, numel: int, results: list[Result]) -> None:
+    """The table of one parameter set; ``results`` hold the yardstick (name YARDSTICK) and rows
+    whose bytes_per_element may be 0 (no GB/s: a part of a step, say)."""
+    by_name = {r.name: r for r in results}
+    bw = 12 * numel / (by_name[YARDSTICK].median * 1e-3) / 1e9
+    print(f"\n{set_name}: {n_tensors} tensors, {numel / 1e6:.1f}M elements; "
+          f"in-place bandwidth {bw:.1f} GB/s ({len(results[0].times_ms)} interleaved rounds)")
+    print(f"{'optimizer':40s} {'ms/step':>9s} {'IQR':>7s} {'GB/s':>7s} {'of bw':>6s}")
+    for r in results:
+        if r.name == YARDSTICK:
+            continue
+        if r.bytes_per_element:
+            gbs = r.bytes_per_element * numel / (r.median * 1e-3) / 1e9
+            print(f"{r.name:40s} {r.median:9.2f} {r.iqr:7.2f} {gbs:7.1f} {gbs / bw:6.0%}")
+        else:
+            print(f"{r.name:40s} {r.median:9.2f} {r.iqr:7.2f}")
+
+
+def ratios(medians: dict[str, dict[str, float]], numels: dict[str, int]) -> list[str]:
+    """The ratios of the performance targets, from the median ms of each row of each set."""
+    lines = []
+    for set_name, m in medians.items():
+        for row in [k for k in m if k.startswith("fusedopt ") and not k.endswith("[eager]")]:
+            kind = row.split()[1]  # LAMB or LARS
+            against = [("torch AdamW(fused=True)", False)] if kind == "LAMB" else []
+            against += [(f"timm {kind.capitalize()} (foreach)", True),
+                        (f"fusedopt {kind} [eager]", True)]
+            for other, slower in against:
+                if other in m:
+                    r = m[other] / m[row] if slower else m[row] / m[other]
+                    a, b = (other, row) if slower else (row, other)
+                    lines.append(f"{set_name}: {a} / {b} = {r:.2f}")
+    if len(medians) == 2:
+        (big, mb), (small, ms) = medians.items()
+        for row in [k for k in ms if k.startswith("fusedopt ") and k in mb]:
+            r = (ms[row] / numels[small]) / (mb[row] / numels[big])
+            lines.append(f"{row}: time per element, {small} / {big} = {r:.2f}")
+    return lines
 
 
 def candidates(device: torch.device, quick: bool):
@@ -169,26 +214,27 @@ def run(quick: bool = False, device: str = "cpu", repeats: int | None = None, on
           f"threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"cpus {os.cpu_count()}, backends {fusedopt.available_backends()}, "
           f"cpp kernels {_cpp_isa()}")
+    medians, numels = {}, {}
     for set_name, shapes in param_sets(quick).items():
-        numel = sum(torch.Size(s).numel() for s in shapes)
-        bw = inplace_bandwidth(numel, dev, repeats)
-        print(f"\n{set_name}: {len(shapes)} tensors, {numel / 1e6:.1f}M elements; "
-              f"in-place bandwidth {bw:.1f} GB/s")
-        print(f"{'optimizer':40s} {'ms/step':>9s} {'IQR':>7s} {'GB/s':>7s} {'of bw':>6s}")
+        numel = numels[set_name] = sum(torch.Size(s).numel() for s in shapes)
         gen = torch.Generator(device="cpu").manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev)) for s in shapes]
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(dev) * 1e-3
+        a, c = torch.randn(numel, device=dev), torch.randn(numel, device=dev)
+        rows = {YARDSTICK: (12, lambda: a.add_(c, alpha=1e-3))}
         for label, kind, factory in candidates(dev, quick):
-            if only and only.lower() not in label.lower():
-                continue
-            opt = factory(params)
-            times = time_fn(opt.step, dev, repeats, warmup=2)
-            res = Result(label, BYTES_PER_ELEMENT[kind], times)
-            gbs = res.bytes_per_element * numel / (res.median * 1e-3) / 1e9
-            print(f"{label:40s} {res.median:9.2f} {res.iqr:7.2f} {gbs:7.1f} {gbs / bw:6.0%}", flush=True)
-            del opt
-            gc.collect()
+            if not only or only.lower() in label.lower():
+                rows[label] = (BYTES_PER_ELEMENT[kind], factory(params).step)
+        times = interleave({k: fn for k, (_, fn) in rows.items()}, dev, repeats)
+        results = [Result(k, rows[k][0], t) for k, t in times.items()]
+        print_table(set_name, len(shapes), numel, results)
+        medians[set_name] = {r.name: r.median for r in results}
+        del rows, params, a, c
+        gc.collect()
+    lines = ratios(medians, numels)
+    if lines:
+        print("\n" + "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,8 @@
 import math
 import re
 
+import torch
+
 from fusedopt import bench
 
 
@@ -19,3 +21,27 @@ def test_bytes_model_matches_spec():
     shapes = bench.bert_base_shapes()
     numel = sum(math.prod(s) for s in shapes)
     assert 190 <= len(shapes) <= 210 and 105e6 < numel < 115e6  # BERT-base: ~110M in ~200 tensors
+
+
+def test_interleave_runs_every_candidate_once_per_round():
+    calls = []
+    times = bench.interleave({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                             torch.device("cpu"), rounds=3, warmup=1)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then rounds in turn
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+
+
+def test_ratios_of_the_performance_targets():
+    medians = {
+        "big": {"fusedopt LAMB [cpp]": 120.0, "torch AdamW(fused=True)": 80.0,
+                "timm Lamb (foreach)": 600.0, "fusedopt LAMB [eager]": 960.0},
+        "small": {"fusedopt LAMB [cpp]": 15.0, "torch AdamW(fused=True)": 50.0},
+    }
+    lines = bench.ratios(medians, {"big": 100, "small": 10})
+    assert lines == [
+        "big: fusedopt LAMB [cpp] / torch AdamW(fused=True) = 1.50",
+        "big: timm Lamb (foreach) / fusedopt LAMB [cpp] = 5.00",
+        "big: fusedopt LAMB [eager] / fusedopt LAMB [cpp] = 8.00",
+        "small: fusedopt LAMB [cpp] / torch AdamW(fused=True) = 0.30",
+        "fusedopt LAMB [cpp]: time per element, small / big = 1.25",
+    ]
