@@ -409,6 +409,25 @@ struct CheckedLists {
   int64_t size() const { return static_cast<int64_t>(weights.size()); }
 };
 
+// Note [prefetched metadata]: a loop over thousands of tensors' metadata (TensorImpl, ~4 cache
+// lines, and its StorageImpl, each a separate heap object) waits on a cache miss per object; the
+// loops that run every step prefetch the objects of tensor j + kAheadImpl (and the StorageImpl of
+// tensor j + kAheadStorage, whose TensorImpl came in before) while looking at tensor j. On 4000
+// one-element tensors a LAMB step ran ~7% faster (medians of 5 alternating runs).
+constexpr size_t kAheadImpl = 16;
+constexpr size_t kAheadStorage = 8;
+
+inline void prefetch_metadata(at::TensorList ts, size_t j) {
+  if (j + kAheadImpl < ts.size()) {
+    const char* a = reinterpret_cast<const char*>(ts[j + kAheadImpl].unsafeGetTensorImpl());
+    for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64) __builtin_prefetch(a + b);
+  }
+  if (j + kAheadStorage < ts.size()) {
+    const c10::TensorImpl* t = ts[j + kAheadStorage].unsafeGetTensorImpl();
+    __builtin_prefetch(t->unsafe_storage().unsafeGetStorageImpl());  // may be null: harmless
+  }
+}
+
 // What the checks saw of each tensor of some lists (Note [checked lists]).
 class Fingerprints {
  public:
@@ -427,8 +446,9 @@ class Fingerprints {
   bool unchanged(const Lists& lists) const {
     size_t k = 0;
     for (at::TensorList ts : lists) {
-      for (const at::Tensor& t : ts) {
-        if (k == seen_.size() || !same(t.unsafeGetTensorImpl(), seen_[k])) return false;
+      for (size_t j = 0; j < ts.size(); ++j) {
+        prefetch_metadata(ts, j);
+        if (k == seen_.size() || !same(ts[j].unsafeGetTensorImpl(), seen_[k])) return false;
         ++k;
       }
     }
