@@ -223,7 +223,7 @@ class _TrustRatioOptimizer(Optimizer):
         when the last plan was built: then every cache entry's ``states`` still are the state
         dicts of its params (each entry was checked or made by that plan). Two identity scans in
         C, without hashing the params (a tensor's ``__hash__`` is a Python call): for 4000
-        params 0.2 ms instead of 1 ms."""
+        params ~0.3 ms instead of the ~1 ms of looking up every param (measured)."""
         seen, st = self._state_seen, self.state
         return (seen is not None and seen[0] is st and len(st) == len(seen[1])
                 and all(map(is_, st.keys(), seen[1])) and all(map(is_, st.values(), seen[2])))
