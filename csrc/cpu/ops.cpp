@@ -742,10 +742,9 @@ void BucketLists::recheck() {
                                 {{exp_avgs_, "exp_avgs"}, {exp_avg_sqs_, "exp_avg_sqs"}}, steps_);
   auto fp = std::make_unique<Fingerprints>();
   for (at::TensorList ts : static_lists()) fp->add(ts);
-  checked_ = std::make_unique<CheckedLists>(w_dtype, weights_, params_,
-                                            lars ? momentum_buffers_ : exp_avgs_,
-                                            lars ? std::vector<at::Tensor>{} : exp_avg_sqs_,
-                                            steps_);
+  const at::TensorList state_a = lars ? momentum_buffers_ : exp_avgs_;
+  const at::TensorList state_b = lars ? at::TensorList() : at::TensorList(exp_avg_sqs_);
+  checked_ = std::make_unique<CheckedLists>(w_dtype, weights_, params_, state_a, state_b, steps_);
   fingerprints_ = std::move(fp);
 }
 
