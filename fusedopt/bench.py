@@ -11,9 +11,9 @@ step (our eager backend, timm's foreach optimizers) run in a second interleaved 
 gigabytes slowed whichever step came next by up to a third on our CPU machine. For every
 optimizer it reports the median and the spread (interquartile range) of ms/step over the rounds,
 the achieved GB/s by SPEC.md's bytes model (LAMB 40 B/element, LARS 28, AdamW 28, momentum SGD
-20, +4 with global clipping), and that as a fraction of the yardstick's GB/s. The last lines give the ratios the performance targets are
-stated in (against AdamW, timm and the eager backend; time per element of the many-small-tensors
-set over the BERT-base set).
+20, +4 with global clipping), and that as a fraction of the yardstick's GB/s. The last lines give
+the ratios the performance targets are stated in (against AdamW, timm and the eager backend; time
+per element of the many-small-tensors set over the BERT-base set).
 """
 from __future__ import annotations
 
@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small parameter sets, fewer repeats")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (timed steps per optimizer)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="interleaved rounds (timed steps per optimizer)")
     ap.add_argument("--only", default=None, help="run only optimizers whose label contains this")
     args = ap.parse_args(argv)
     run(quick=args.quick, device=args.device, repeats=args.repeats, only=args.only)
