@@ -483,10 +483,14 @@ namespace {
 // Each runs one pass on checked lists after its operator or BucketLists method has done the
 // checks, the skip test (found_inf) and the version bumps.
 
-at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
-                          at::ScalarType g_dtype, const LambHyper& h,
-                          const std::optional<at::Tensor>& grad_mult) {
-  const int64_t n = d.size();
+// The frame both pass 1s share: the step counts advanced, the weights' and grads' dtypes
+// dispatched, one parallel region in which chunk c writes its two partial sums to
+// partial[2c, 2c + 1], and the per-tensor sums [n, 2]. make(TypeTag<W>, TypeTag<G>, t) returns the
+// chunk function f(tensor, w, g, offset, len, out), w and g already offset to the chunk; f must
+// be force-inlined (FUSEDOPT_INLINE_LAMBDA) so that it is compiled into each ISA clone.
+template <typename Make>
+at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
+                     at::ScalarType g_dtype, const Make& make) {
   const std::vector<double> t = advance_steps(d.steps);
   std::vector<double> partial(2 * d.table.size());
   at::Tensor sums;
@@ -495,23 +499,36 @@ at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>&
     using T = ComputeT<W>;
     dispatch_storage(g_dtype, "grads", [&](auto g_tag) {
       using G = typename decltype(g_tag)::type;
-      const std::vector<LambCoef<T>> coef = lamb_coefs<T>(h, t);
-      const T gm = grad_multiplier<T>(grad_mult);
+      const auto f = make(w_tag, g_tag, t);
       void* const* wp = d.weights.data();
       const void* const* gp = grads.data();
-      void* const* mp = d.state_a.data();
-      void* const* vp = d.state_b.data();
       d.table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
-        lamb_pass1_chunk<W, G, T>(static_cast<const W*>(wp[i]) + o,
-                                  static_cast<const G*>(gp[i]) + o, static_cast<T*>(mp[i]) + o,
-                                  static_cast<T*>(vp[i]) + o, ch.len, coef[i], gm,
-                                  &partial[2 * c]);
+        f(i, static_cast<const W*>(wp[i]) + o, static_cast<const G*>(gp[i]) + o, o, ch.len,
+          &partial[2 * c]);
       });
-      sums = finish_sums<T>(d.table, partial, n);
+      sums = finish_sums<T>(d.table, partial, d.size());
     });
   });
   return sums;
+}
+
+at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
+                          at::ScalarType g_dtype, const LambHyper& h,
+                          const std::optional<at::Tensor>& grad_mult) {
+  return run_pass1(d, grads, g_dtype, [&](auto w_tag, auto g_tag, const std::vector<double>& t) {
+    using W = typename decltype(w_tag)::type;
+    using G = typename decltype(g_tag)::type;
+    using T = ComputeT<W>;
+    void* const* mp = d.state_a.data();
+    void* const* vp = d.state_b.data();
+    return [coef = lamb_coefs<T>(h, t), gm = grad_multiplier<T>(grad_mult), mp, vp](
+               int64_t i, const W* w, const G* g, int64_t o, int64_t len,
+               double* out) FUSEDOPT_INLINE_LAMBDA {
+      lamb_pass1_chunk<W, G, T>(w, g, static_cast<T*>(mp[i]) + o, static_cast<T*>(vp[i]) + o, len,
+                                coef[i], gm, out);
+    };
+  });
 }
 
 void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyper& h) {
@@ -547,34 +564,20 @@ void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyp
 at::Tensor run_lars_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
                           at::ScalarType g_dtype, const LarsHyper& h,
                           const std::optional<at::Tensor>& grad_mult) {
-  const int64_t n = d.size();
-  advance_steps(d.steps);
-  std::vector<double> partial(2 * d.table.size());
-  at::Tensor sums;
-  dispatch_storage(d.weight_dtype, "weights", [&](auto w_tag) {
+  return run_pass1(d, grads, g_dtype, [&](auto w_tag, auto g_tag, const std::vector<double>&) {
     using W = typename decltype(w_tag)::type;
+    using G = typename decltype(g_tag)::type;
     using T = ComputeT<W>;
-    dispatch_storage(g_dtype, "grads", [&](auto g_tag) {
-      using G = typename decltype(g_tag)::type;
-      const T gm = grad_multiplier<T>(grad_mult);
-      const T lambda = static_cast<T>(h.weight_decay);
-      void* const* wp = d.weights.data();
-      const void* const* gp = grads.data();
-      d.table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
-        const int64_t i = ch.tensor, o = ch.offset;
-        const W* w = static_cast<const W*>(wp[i]) + o;
-        const G* g = static_cast<const G*>(gp[i]) + o;
-        double* out = &partial[2 * c];
-        if (h.combined) {
-          lars_pass1_chunk<true, W, G, T>(w, g, ch.len, gm, lambda, out);
-        } else {
-          lars_pass1_chunk<false, W, G, T>(w, g, ch.len, gm, lambda, out);
-        }
-      });
-      sums = finish_sums<T>(d.table, partial, n);
-    });
+    return [gm = grad_multiplier<T>(grad_mult), lambda = static_cast<T>(h.weight_decay),
+            combined = h.combined](int64_t, const W* w, const G* g, int64_t, int64_t len,
+                                   double* out) FUSEDOPT_INLINE_LAMBDA {
+      if (combined) {
+        lars_pass1_chunk<true, W, G, T>(w, g, len, gm, lambda, out);
+      } else {
+        lars_pass1_chunk<false, W, G, T>(w, g, len, gm, lambda, out);
+      }
+    };
   });
-  return sums;
 }
 
 void run_lars_pass2(const CheckedLists& d, const std::vector<const void*>& grads,
