@@ -19,7 +19,7 @@ import torch
 import fusedopt
 from fusedopt.backends import get_backend
 from fusedopt.bench import (BYTES_PER_ELEMENT, YARDSTICK, Result, bert_base_shapes, interleave,
-                            print_table, ratios, timm_optimizers)
+                            joint_rounds, print_table, ratios, timm_optimizers)
 
 SETS = {"bert": ("bert-base", bert_base_shapes()), "small": ("4000 x 2,500", [(2500,)] * 4000)}
 
@@ -69,7 +69,9 @@ def bench_set(label, shapes, rounds, eager):
     rows.update(slow)
     results = [Result(k, rows[k][0], t) for k, t in times.items()]
     print_table(label, len(shapes), numel, results)
-    return {r.name: r.median for r in results}, numel
+    # for the joint rounds of both sets: the rows with a bytes model, but the slow phase's
+    joint = {k: fn for k, (nbytes, fn) in rows.items() if nbytes and k not in slow}
+    return {r.name: r.median for r in results}, numel, joint
 
 
 def main():
@@ -81,12 +83,16 @@ def main():
     args = ap.parse_args()
     assert get_backend("cpp") is not None, "fusedopt._C is not built"
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    medians, numels = {}, {}
+    medians, numels, joint = {}, {}, {}
     for name in args.sets.split(","):
         label, shapes = SETS[name]
-        medians[label], numels[label] = bench_set(label, shapes, args.rounds, not args.no_eager)
+        medians[label], numels[label], joint[label] = bench_set(label, shapes, args.rounds,
+                                                                not args.no_eager)
         gc.collect()
-    print("\n" + "\n".join(ratios(medians, numels)))
+    lines = ratios(medians)
+    if len(joint) == 2:
+        lines += joint_rounds(joint, numels, torch.device("cpu"), args.rounds)
+    print("\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 import math
 import re
 
+import pytest
 import torch
 
+import fusedopt
 from fusedopt import bench
 
 
@@ -37,11 +39,46 @@ def test_ratios_of_the_performance_targets():
                 "timm Lamb (foreach)": 600.0, "fusedopt LAMB [eager]": 960.0},
         "small": {"fusedopt LAMB [cpp]": 15.0, "torch AdamW(fused=True)": 50.0},
     }
-    lines = bench.ratios(medians, {"big": 100, "small": 10})
-    assert lines == [
+    assert bench.ratios(medians) == [
         "big: fusedopt LAMB [cpp] / torch AdamW(fused=True) = 1.50",
         "big: timm Lamb (foreach) / fusedopt LAMB [cpp] = 5.00",
         "big: fusedopt LAMB [eager] / fusedopt LAMB [cpp] = 8.00",
         "small: fusedopt LAMB [cpp] / torch AdamW(fused=True) = 0.30",
-        "fusedopt LAMB [cpp]: time per element, small / big = 1.25",
     ]
+    assert bench.per_element_ratios(medians, {"big": 100, "small": 10}) == [
+        "fusedopt LAMB [cpp]: time per element, small / big = 1.25",
+        "torch AdamW(fused=True): time per element, small / big = 6.25",
+    ]
+
+
+def test_joint_rounds_time_both_sets_in_the_same_rounds(monkeypatch):
+    calls = []
+    clock = iter(range(1000))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock) * 1e-3)  # 1 ms a read
+
+    def fn(name, reads):
+        def run():
+            calls.append(name)
+            for _ in range(reads):  # each read of the clock inside a call adds 1 ms to it
+                bench.time.perf_counter()
+        return run
+
+    fns = {"big": {"row": fn("big row", 9), "yard": fn("big yard", 0)},
+           "small": {"row": fn("small row", 1), "yard": fn("small yard", 0)}}
+    lines = bench.joint_rounds(fns, {"big": 100, "small": 10}, torch.device("cpu"), rounds=2)
+    assert calls[8:] == ["big row", "big yard", "small row", "small yard"] * 2  # after warm-up
+    # row: 10 ms per 100 elements against 2 ms per 10; yard: 1 ms each
+    assert lines == ["time per element, both sets in the same 2 rounds:",
+                     "row: time per element, small / big = 2.00",
+                     "yard: time per element, small / big = 10.00"]
+
+
+@pytest.mark.skipif("cpp" not in fusedopt.available_backends(),
+                    reason="needs the C++ extension fusedopt._C (not built)")
+def test_quick_bench_prints_the_joint_per_element_ratios(capsys):
+    bench.run(quick=True, repeats=3, only="LAMB [cpp]")
+    out = capsys.readouterr().out
+    assert "time per element, both sets in the same 3 rounds:" in out
+    for row in ("fusedopt LAMB [cpp]", "in-place a.add_(c, alpha=s)"):
+        assert re.search(rf"^{re.escape(row)}: time per element, 500 x 2,500 / "
+                         r"bert-like \(2 layers\) = \d+\.\d\d$", out, re.M), out
