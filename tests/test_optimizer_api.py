@@ -194,6 +194,99 @@ def test_state_uses_torch_keys(kind):
     assert st["step"].dtype == torch.float32 and st["step"].ndim == 0 and st["step"].item() == 2
 
 
+STATE_KEYS = {"lamb": ("exp_avg", "exp_avg_sq"), "lars": ("momentum_buffer",)}
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_lies_in_one_aligned_buffer_per_key(kind):
+    """Note [flat state] in fusedopt/optim.py."""
+    m = model()
+    transposed = torch.nn.Parameter(torch.randn(4, 3).t())  # non-contiguous: state of its own
+    double = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))  # another dtype: other buffers
+    opt = OPTS[kind]([*m.parameters(), transposed, double])
+    train(opt, m, 1)
+    for p in (transposed, double):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    plain = list(m.parameters())
+    for key in ("step", *STATE_KEYS[kind]):
+        ts = [opt.state[p][key] for p in plain]
+        assert len({_storage(t) for t in ts}) == 1, key
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in ts)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"{key}: tensors overlap"
+        assert all(t._base is None and t.is_contiguous() and t.shape == p.shape
+                   for t, p in zip(ts, plain) if key != "step")
+        if key != "step":
+            assert all(t.data_ptr() % 64 == 0 for t in ts), key
+        others = {_storage(opt.state[p][key]) for p in (transposed, double)}
+        assert len(others) == 2 and _storage(ts[0]) not in others, key
+    # each tensor keeps a version counter of its own
+    st0, st1 = opt.state[plain[0]], opt.state[plain[1]]
+    v1 = st1[STATE_KEYS[kind][0]]._version
+    st0[STATE_KEYS[kind][0]].add_(0.0)
+    assert st1[STATE_KEYS[kind][0]]._version == v1
+
+
+def test_master_weights_lie_in_one_buffer_with_the_param_values():
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in [(3, 5), (7,), (0,)]]
+    opt = fusedopt.FusedLAMB(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.found_inf = torch.ones(())  # a skipped step: masters still equal the params
+    opt.step()
+    masters = [opt.state[p]["master_param"] for p in params]
+    assert len({_storage(t) for t in masters}) == 1
+    assert all(t.dtype == torch.float32 and torch.equal(t, p.float()) for t, p in zip(masters, params))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_saved_state_writes_each_buffer_once_and_loads_shared(kind):
+    ps = [torch.nn.Parameter(torch.randn(300)) for _ in range(20)]
+    opt = OPTS[kind](ps)
+    for p in ps:
+        p.grad = torch.randn(300)
+    opt.step()
+    state_bytes = sum(t.nbytes for st in opt.state.values() for t in st.values())
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    assert buf.tell() < 1.2 * state_bytes + 20_000  # twenty copies of each buffer would be 20x
+    buf.seek(0)
+    loaded = torch.load(buf)
+    for key in STATE_KEYS[kind]:
+        assert len({_storage(st[key]) for st in loaded["state"].values()}) == 1
+    opt2 = OPTS[kind]([torch.nn.Parameter(p.detach().clone()) for p in ps])
+    opt2.load_state_dict(loaded)
+    for st, st2 in zip(opt.state.values(), opt2.state.values()):
+        assert all(torch.equal(st[k], st2[k]) for k in st)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_distributed_checkpoint_writes_each_tensor_once(kind, tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    ps = [torch.nn.Parameter(torch.randn(300)) for _ in range(20)]
+    opt = OPTS[kind](ps)
+    for p in ps:
+        p.grad = torch.randn(300)
+    opt.step()
+    state = {f"{i}.{k}": v for i, st in enumerate(opt.state.values()) for k, v in st.items()}
+    separate = {k: v.clone() for k, v in state.items()}  # one allocation each: the yardstick
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=tmp_path / "flat")
+        dcp.save(separate, checkpoint_id=tmp_path / "separate")
+        restored = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(restored, checkpoint_id=tmp_path / "flat")
+    written = {d: sum(f.stat().st_size for f in (tmp_path / d).iterdir()) for d in ("flat", "separate")}
+    assert written["flat"] < 1.05 * written["separate"]  # a whole buffer per tensor would be ~10x
+    assert all(torch.equal(restored[k], v) for k, v in state.items())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("backend", ["eager", "auto"])
 def test_state_dict_round_trip_continues_bit_for_bit(kind, backend):
