@@ -202,7 +202,8 @@ def _run_steps(kind, shapes, steps, threads):
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_bit_identical_for_1_and_2_threads(kind):
-    shapes = [(300_001,), (5,)] * 2 + [(70001,)] + [(100,)] * 50
+    # more tensors than kTensorGrain (multi_tensor.h): the per-tensor work is split too
+    shapes = [(300_001,), (5,)] * 2 + [(70001,)] + [(100,)] * 600
     one = _run_steps(kind, shapes, 3, threads=1)
     two = _run_steps(kind, shapes, 3, threads=2)
     _assert_bitwise(one, two)
@@ -321,21 +322,23 @@ def test_cached_buckets_take_their_grads_in_cpp_and_let_go_of_them(kind):
 
 
 def _change_in_place(params, opt):
-    """Changes what three tensors hold without replacing the objects: a param's and a state
-    tensor's ``.data`` (new storages) and a param's ``share_memory_()`` (same storage, new data)."""
+    """Changes what three tensors near the end of the list hold without replacing the objects: a
+    param's and a state tensor's ``.data`` (new storages) and a param's ``share_memory_()`` (same
+    storage, new data)."""
     moved = []
-    for t in (params[3], opt.state[params[5]]["step"]):
+    for t in (params[-3], opt.state[params[-5]]["step"]):
         before = t.data_ptr()
         t.data = t.data.clone()
         moved.append(t.data_ptr() != before)
-    before = params[4].data_ptr()
-    params[4].share_memory_()
-    moved.append(params[4].data_ptr() != before)
+    before = params[-4].data_ptr()
+    params[-4].share_memory_()
+    moved.append(params[-4].data_ptr() != before)
     assert all(moved)
 
 
+@pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])  # 1500: threads share the looking
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_static_lists_follow_tensors_changed_in_place(kind, monkeypatch):
+def test_static_lists_follow_tensors_changed_in_place(kind, extra, monkeypatch):
     """Note [checked lists] in ops.cpp: BucketLists keeps its static lists' data pointers between
     steps; when a tensor's data moves while the objects stay (so the Python plan cache still holds)
     it sees the change and steps the new data, as the operators do."""
@@ -343,7 +346,8 @@ def test_static_lists_follow_tensors_changed_in_place(kind, monkeypatch):
     for static_lists in (True, False):
         with monkeypatch.context() as m:
             m.setattr(type(CPP), "_has_static_lists", static_lists)
-            params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+            shapes = [(3,)] * extra + list(ZOO)
+            params = [torch.nn.Parameter(t) for t in make_tensors(shapes, torch.float32, 0)]
             opt = _opt(kind, params)
             for step in range(4):
                 if step == 2:
@@ -352,6 +356,31 @@ def test_static_lists_follow_tensors_changed_in_place(kind, monkeypatch):
                 _set_grads(params, step)
                 opt.step()
             assert opt._plan_cache[0].persistent.get("cpp") is handle  # the same lists went on
+            runs.append(_snapshot(params, opt))
+    _assert_bitwise(*runs)
+
+
+@pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_static_lists_materialize_a_copy_on_write_state(kind, extra, monkeypatch):
+    """A state tensor lazily cloned between steps (copy-on-write storage, same data pointer): the
+    step writes a copy of its own, the clone keeps its values, as with the operators."""
+    key = "exp_avg" if kind == "lamb" else "momentum_buffer"
+    runs = []
+    for static_lists in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(type(CPP), "_has_static_lists", static_lists)
+            shapes = [(3,)] * extra + list(ZOO)
+            params = [torch.nn.Parameter(t) for t in make_tensors(shapes, torch.float32, 0)]
+            opt = _opt(kind, params)
+            for step in range(4):
+                if step == 2:
+                    state = opt.state[params[-3]][key]
+                    before = state.clone()
+                    lazy = torch._lazy_clone(state)
+                _set_grads(params, step)
+                opt.step()
+            assert torch.equal(lazy, before) and not torch.equal(state, before)
             runs.append(_snapshot(params, opt))
     _assert_bitwise(*runs)
 
@@ -390,8 +419,11 @@ def test_static_lists_are_rebuilt_when_the_state_is_replaced():
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_steps_bump_version_counters(kind):
     """Note [version counters] in ops.cpp: a tensor saved for backward and then stepped is caught
-    by autograd, as with torch's optimizers; a skipped step (found_inf) bumps nothing."""
-    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    by autograd, as with torch's optimizers; a skipped step (found_inf) bumps nothing. The passes
+    bump in the first chunk of each tensor; a 0-size tensor has no chunk and is bumped apart."""
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3)),
+              torch.nn.Parameter(torch.randn(0))]
+    params += [torch.nn.Parameter(torch.randn(5)) for _ in range(600)]
     opt = _opt(kind, params)
     _set_grads(params, 0)
     loss = (params[0] * params[0]).sum()  # saves params[0]

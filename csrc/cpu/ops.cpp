@@ -8,9 +8,12 @@
 // writes w, v. No parameter-sized temporary is allocated: only O(tensors + chunks) tables.
 #include "ops.h"
 
+#include <c10/core/impl/COW.h>
 #include <fusedopt/math.h>
 
+#include <atomic>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "multi_tensor.h"
@@ -142,15 +145,24 @@ LarsHyper lars_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr
 // Note [version counters]: the passes write tensors in place, as torch's in-place ops do, and so
 // bump the version counter of every tensor they write (autograd then detects a tensor saved for
 // backward that a step modified). Inference tensors have no counter. A skipped step (found_inf)
-// writes nothing and bumps nothing.
-void bump_versions(std::initializer_list<at::TensorList> lists) {
-  for (at::TensorList ts : lists) {
-    for (const at::Tensor& t : ts) {
-      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+// writes nothing and bumps nothing. A pass bumps the tensors of index i in the first chunk of
+// tensor i, inside its parallel region, so that these thousands of scattered atomic increments
+// are spread over the threads and overlap the streaming; tensors without elements (no chunks)
+// are bumped before the region.
+struct Bumps {
+  std::array<at::TensorList, 3> lists;  // the lists the pass writes; unused entries empty
+
+  void bump(int64_t i) const {
+    for (at::TensorList ts : lists) {
+      if (ts.empty()) continue;
+      c10::TensorImpl* impl = ts[i].unsafeGetTensorImpl();
       if (impl->version_counter().enabled()) impl->bump_version();
     }
   }
-}
+  void bump_chunkless(const ChunkTable& table) const {
+    for (int64_t i : table.chunkless()) bump(i);
+  }
+};
 
 // Adds 1 to every step count and returns the new counts t (the serial setup of pass 1).
 std::vector<double> advance_steps(const std::vector<float*>& steps) {
@@ -377,15 +389,17 @@ std::vector<const void*> const_data_ptrs(at::TensorList ts) {
 
 // Note [checked lists]: the chunk loops of a pass need only the dtypes and data pointers of a
 // bucket's lists and its chunk table. The operators check their lists and build these on every
-// call. A BucketLists checks its static lists and builds them once; at each step its pass 1 only
-// looks whether a tensor of those lists changed what the checks saw (Fingerprints: device,
-// dtype, sizes, strides, data pointer; a few inline loads per tensor), and if one did
-// (`p.data = ...`, `model.to(memory_format=...)`, `share_memory_()`, a copy-on-write storage
-// materialized) checks them all again as the operators do, raising their errors, and rebuilds.
-// Its pass 2 reuses what pass 1 of the same step checked. Checking each list in each pass had
-// cost ~1.7 µs per tensor and step; a LAMB step on 4000 one-element tensors went from
-// 8.9–10.6 ms to 5.6–7.0 ms, on 4000 x 2,500 elements from 29–31 ms to 25–26 ms (alternating
-// runs, one loaded 2-core machine).
+// call. A BucketLists checks its static lists and builds them once; at each step it only looks
+// whether a tensor of those lists changed what the checks saw (Fingerprints: device, dtype,
+// sizes, strides, data pointer, not copy-on-write; a few inline loads per tensor), and if one did
+// (`p.data = ...`, `model.to(memory_format=...)`, `share_memory_()`, a lazy clone) checks them
+// all again on one thread as the operators do, raising their errors, and rebuilds. The look is
+// shared by the threads (tensor ranges, above kTensorGrain tensors) and, when the step's grads
+// are taken in C++, done by take_grads in the same region as the grads; pass 1 then does not
+// look again, and pass 2 reuses what pass 1 checked. Checking each list in each pass had cost
+// ~1.7 µs per tensor and step; a LAMB step on 4000 one-element tensors went from 8.9–10.6 ms to
+// 5.6–7.0 ms, on 4000 x 2,500 elements from 29–31 ms to 25–26 ms (alternating runs, one loaded
+// 2-core machine).
 struct CheckedLists {
   at::ScalarType weight_dtype = at::kFloat;
   at::ScalarType param_dtype = at::kFloat;  // of params, when there are
@@ -417,12 +431,12 @@ struct CheckedLists {
 constexpr size_t kAheadImpl = 16;
 constexpr size_t kAheadStorage = 8;
 
-inline void prefetch_metadata(at::TensorList ts, size_t j) {
-  if (j + kAheadImpl < ts.size()) {
+inline void prefetch_metadata(at::TensorList ts, size_t j, size_t end) {
+  if (j + kAheadImpl < end) {
     const char* a = reinterpret_cast<const char*>(ts[j + kAheadImpl].unsafeGetTensorImpl());
     for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64) __builtin_prefetch(a + b);
   }
-  if (j + kAheadStorage < ts.size()) {
+  if (j + kAheadStorage < end) {
     const c10::TensorImpl* t = ts[j + kAheadStorage].unsafeGetTensorImpl();
     __builtin_prefetch(t->unsafe_storage().unsafeGetStorageImpl());  // may be null: harmless
   }
@@ -432,6 +446,7 @@ inline void prefetch_metadata(at::TensorList ts, size_t j) {
 class Fingerprints {
  public:
   void add(at::TensorList ts) {
+    lists_.push_back({seen_.size(), ts.size()});
     for (const at::Tensor& t : ts) {
       c10::TensorImpl* i = t.unsafeGetTensorImpl();
       seen_.push_back(
@@ -441,21 +456,28 @@ class Fingerprints {
     }
   }
 
-  // Whether the lists, given in the order they were added, still look as they did.
+  // Whether the tensors [begin, end) of each of the lists (given in the order they were added)
+  // still look as they did; a range of each list, so that threads can share the looking.
   template <typename Lists>
-  bool unchanged(const Lists& lists) const {
-    size_t k = 0;
-    for (at::TensorList ts : lists) {
-      for (size_t j = 0; j < ts.size(); ++j) {
-        prefetch_metadata(ts, j);
-        if (k == seen_.size() || !same(ts[j].unsafeGetTensorImpl(), seen_[k])) return false;
-        ++k;
+  bool unchanged(const Lists& lists, size_t begin, size_t end) const {
+    if (lists.size() != lists_.size()) return false;
+    for (size_t l = 0; l < lists_.size(); ++l) {
+      const at::TensorList ts = lists[l];
+      if (ts.size() != lists_[l].size) return false;
+      const size_t stop = std::min(end, ts.size());
+      for (size_t j = begin; j < stop; ++j) {
+        prefetch_metadata(ts, j, stop);
+        if (!same(ts[j].unsafeGetTensorImpl(), seen_[lists_[l].first + j])) return false;
       }
     }
-    return k == seen_.size();
+    return true;
   }
 
  private:
+  struct List {
+    size_t first;  // its first tensor in seen_
+    size_t size;
+  };
   struct Seen {
     void* data;
     caffe2::TypeMeta dtype;
@@ -464,15 +486,21 @@ class Fingerprints {
     int64_t dim;
   };
 
-  bool same(c10::TensorImpl* i, const Seen& s) const {
+  // Read-only, so that threads can look at tensors that share a storage: a copy-on-write storage
+  // counts as changed (the recheck, on one thread, materializes it as the operators do).
+  bool same(const c10::TensorImpl* i, const Seen& s) const {
     if (i->device_type() != s.device || i->dtype() != s.dtype || i->dim() != s.dim) return false;
     const int64_t* g = geometry_.data() + s.geometry_at;
     const c10::IntArrayRef sizes = i->sizes(), strides = i->strides();
-    return std::equal(sizes.begin(), sizes.end(), g) &&
-           std::equal(strides.begin(), strides.end(), g + s.dim) &&
-           i->mutable_data() == s.data;  // last: materializes a copy-on-write storage
+    if (!std::equal(sizes.begin(), sizes.end(), g) ||
+        !std::equal(strides.begin(), strides.end(), g + s.dim) || !i->has_storage()) {
+      return false;
+    }
+    const c10::Storage& storage = i->unsafe_storage();
+    return !c10::impl::cow::is_cow_data_ptr(storage.data_ptr()) && i->data() == s.data;
   }
 
+  std::vector<List> lists_;
   std::vector<Seen> seen_;
   std::vector<int64_t> geometry_;
 };
@@ -490,8 +518,9 @@ namespace {
 // be force-inlined (FUSEDOPT_INLINE_LAMBDA) so that it is compiled into each ISA clone.
 template <typename Make>
 at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
-                     at::ScalarType g_dtype, const Make& make) {
+                     at::ScalarType g_dtype, const Bumps& bumps, const Make& make) {
   const std::vector<double> t = advance_steps(d.steps);
+  bumps.bump_chunkless(d.table);
   std::vector<double> partial(2 * d.table.size());
   at::Tensor sums;
   dispatch_storage(d.weight_dtype, "weights", [&](auto w_tag) {
@@ -504,6 +533,7 @@ at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grad
       const void* const* gp = grads.data();
       d.table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
+        if (o == 0) bumps.bump(i);
         f(i, static_cast<const W*>(wp[i]) + o, static_cast<const G*>(gp[i]) + o, o, ch.len,
           &partial[2 * c]);
       });
@@ -515,8 +545,8 @@ at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grad
 
 at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
                           at::ScalarType g_dtype, const LambHyper& h,
-                          const std::optional<at::Tensor>& grad_mult) {
-  return run_pass1(d, grads, g_dtype, [&](auto w_tag, auto g_tag, const std::vector<double>& t) {
+                          const std::optional<at::Tensor>& grad_mult, const Bumps& bumps) {
+  return run_pass1(d, grads, g_dtype, bumps, [&](auto w_tag, auto g_tag, const std::vector<double>& t) {
     using W = typename decltype(w_tag)::type;
     using G = typename decltype(g_tag)::type;
     using T = ComputeT<W>;
@@ -531,9 +561,11 @@ at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>&
   });
 }
 
-void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyper& h) {
+void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyper& h,
+                    const Bumps& bumps) {
   const int64_t n = d.size();
   const std::vector<double> t = read_steps(d.steps);
+  bumps.bump_chunkless(d.table);
   dispatch_storage(d.weight_dtype, "weights", [&](auto w_tag) {
     using W = typename decltype(w_tag)::type;
     using T = ComputeT<W>;
@@ -552,6 +584,7 @@ void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyp
       void* const* vp = d.state_b.data();
       d.table.parallel_for([&](int64_t, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
+        if (o == 0) bumps.bump(i);
         P* p = pp == nullptr ? nullptr : static_cast<P*>(pp[i]) + o;
         lamb_pass2_chunk<W, P, T>(static_cast<W*>(wp[i]) + o, p, static_cast<const T*>(mp[i]) + o,
                                   static_cast<const T*>(vp[i]) + o, ch.len, coef[i], lr_phi[i],
@@ -563,8 +596,8 @@ void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyp
 
 at::Tensor run_lars_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
                           at::ScalarType g_dtype, const LarsHyper& h,
-                          const std::optional<at::Tensor>& grad_mult) {
-  return run_pass1(d, grads, g_dtype, [&](auto w_tag, auto g_tag, const std::vector<double>&) {
+                          const std::optional<at::Tensor>& grad_mult, const Bumps& bumps) {
+  return run_pass1(d, grads, g_dtype, bumps, [&](auto w_tag, auto g_tag, const std::vector<double>&) {
     using W = typename decltype(w_tag)::type;
     using G = typename decltype(g_tag)::type;
     using T = ComputeT<W>;
@@ -582,9 +615,10 @@ at::Tensor run_lars_pass1(const CheckedLists& d, const std::vector<const void*>&
 
 void run_lars_pass2(const CheckedLists& d, const std::vector<const void*>& grads,
                     at::ScalarType g_dtype, const at::Tensor& sums, const LarsHyper& h,
-                    const std::optional<at::Tensor>& grad_mult) {
+                    const std::optional<at::Tensor>& grad_mult, const Bumps& bumps) {
   const int64_t n = d.size();
   const std::vector<double> t = read_steps(d.steps);
+  bumps.bump_chunkless(d.table);
   dispatch_storage(d.weight_dtype, "weights", [&](auto w_tag) {
     using W = typename decltype(w_tag)::type;
     using T = ComputeT<W>;
@@ -604,6 +638,7 @@ void run_lars_pass2(const CheckedLists& d, const std::vector<const void*>& grads
         void* const* vp = d.state_a.data();
         d.table.parallel_for([&](int64_t, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
           const int64_t i = ch.tensor, o = ch.offset;
+          if (o == 0) bumps.bump(i);
           P* p = pp == nullptr ? nullptr : static_cast<P*>(pp[i]) + o;
           lars_pass2_chunk_any<W, G, P, T>(static_cast<W*>(wp[i]) + o, p,
                                            static_cast<const G*>(gp[i]) + o,
@@ -663,9 +698,9 @@ at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
   if (n == 0 || step_skipped(found_inf)) {
     return at::zeros({n, 2}, at::dtype(compute_dtype(w_dtype)));
   }
-  bump_versions({exp_avgs, exp_avg_sqs, steps});
   return run_lamb_pass1(CheckedLists(w_dtype, weights, {}, exp_avgs, exp_avg_sqs, steps),
-                        const_data_ptrs(grads), g_dtype, h, grad_mult);
+                        const_data_ptrs(grads), g_dtype, h, grad_mult,
+                        Bumps{{exp_avgs, exp_avg_sqs, steps}});
 }
 
 void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
@@ -677,8 +712,8 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
       weights, params, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}}, steps);
   const LambHyper h = lamb_hyper(hyper, lr);
   if (n == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights, params});
-  run_lamb_pass2(CheckedLists(w_dtype, weights, params, exp_avgs, exp_avg_sqs, steps), sums, h);
+  run_lamb_pass2(CheckedLists(w_dtype, weights, params, exp_avgs, exp_avg_sqs, steps), sums, h,
+                 Bumps{{weights, params}});
 }
 
 at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorList steps,
@@ -691,9 +726,8 @@ at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
   if (n == 0 || step_skipped(found_inf)) {
     return at::zeros({n, 2}, at::dtype(compute_dtype(w_dtype)));
   }
-  bump_versions({steps});
   return run_lars_pass1(CheckedLists(w_dtype, weights, {}, {}, {}, steps), const_data_ptrs(grads),
-                        g_dtype, h, grad_mult);
+                        g_dtype, h, grad_mult, Bumps{{steps}});
 }
 
 void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList grads,
@@ -707,9 +741,9 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
   const at::ScalarType g_dtype = check_list(grads, weights, "grads");
   const LarsHyper h = lars_hyper(hyper, lr);
   if (n == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights, params, momentum_buffers});
   run_lars_pass2(CheckedLists(w_dtype, weights, params, momentum_buffers, {}, steps),
-                 const_data_ptrs(grads), g_dtype, sums, h, grad_mult);
+                 const_data_ptrs(grads), g_dtype, sums, h, grad_mult,
+                 Bumps{{weights, params, momentum_buffers}});
 }
 
 // ----------------------------------------------------------------------------- BucketLists
@@ -755,11 +789,19 @@ std::array<at::TensorList, 6> BucketLists::static_lists() const {
   return {weights_, params_, exp_avgs_, exp_avg_sqs_, momentum_buffers_, steps_};
 }
 
-const CheckedLists& BucketLists::checked(bool pass2) {
-  const bool by_pass1 = pass2 && checked_by_pass1_;
-  checked_by_pass1_ = false;
-  if (!by_pass1 && (checked_ == nullptr || !fingerprints_->unchanged(static_lists()))) recheck();
+const CheckedLists& BucketLists::checked(bool reuse) {
+  if (!reuse && !static_lists_unchanged()) recheck();
   return *checked_;
+}
+
+bool BucketLists::static_lists_unchanged() const {
+  if (checked_ == nullptr) return false;  // a recheck raised: the lists are not usable yet
+  std::atomic<bool> same{true};
+  at::parallel_for(0, static_cast<int64_t>(weights_.size()), kTensorGrain,
+                   [&](int64_t begin, int64_t end) {
+                     if (!fingerprints_->unchanged(static_lists(), begin, end)) same = false;
+                   });
+  return same;
 }
 
 bool BucketLists::grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_dtype) const {
@@ -784,19 +826,28 @@ bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType g
 }
 
 bool BucketLists::take_grads(at::ScalarType grad_dtype) {
-  taken_ = {};
-  taken_.grads.reserve(grad_holders_.size());
-  taken_.ptrs.reserve(grad_holders_.size());
-  for (size_t i = 0; i < grad_holders_.size(); ++i) {
-    const at::Tensor& g = grad_holders_[i].grad();
-    if (!grad_fits(g, i, grad_dtype)) {
-      taken_ = {};
-      return false;
+  const int64_t n = static_cast<int64_t>(grad_holders_.size());
+  Taken taken;
+  taken.grads.resize(n);
+  taken.ptrs.resize(n);
+  std::atomic<bool> fit{true}, unchanged{checked_ != nullptr};  // nullptr: a recheck raised
+  at::parallel_for(0, n, kTensorGrain, [&](int64_t begin, int64_t end) {
+    if (unchanged && !fingerprints_->unchanged(static_lists(), begin, end)) unchanged = false;
+    for (int64_t i = begin; i < end && fit.load(std::memory_order_relaxed); ++i) {
+      const at::Tensor& g = grad_holders_[i].grad();
+      if (!grad_fits(g, i, grad_dtype)) {
+        fit = false;
+        break;
+      }
+      taken.grads[i] = g;
+      taken.ptrs[i] = g.const_data_ptr();
     }
-    taken_.grads.push_back(g);
-    taken_.ptrs.push_back(g.const_data_ptr());
-  }
-  taken_.dtype = grad_dtype;
+  });
+  taken_ = {};
+  if (!fit) return false;
+  taken.dtype = grad_dtype;
+  taken.static_lists_checked = unchanged;
+  taken_ = std::move(taken);
   return true;
 }
 
@@ -818,14 +869,16 @@ std::pair<std::vector<const void*>, at::ScalarType> BucketLists::grad_pointers(
 template <typename Run>
 at::Tensor BucketLists::pass1(const Grads& grads,
                               const std::optional<at::Tensor>& found_inf, const Run& run) {
-  const CheckedLists& d = checked(/*pass2=*/false);
+  // the static lists were checked by take_grads in this step when its grads are used
+  const bool by_take = !grads.has_value() && std::exchange(taken_.static_lists_checked, false);
+  checked_by_pass1_ = false;
+  const CheckedLists& d = checked(by_take);
   const auto [gp, g_dtype] = grad_pointers(grads, taken_);
   at::Tensor sums;
   if (d.size() == 0 || step_skipped(found_inf)) {
     sums = at::zeros({d.size(), 2}, at::dtype(compute_dtype(d.weight_dtype)));
   } else {
-    bump_versions({exp_avgs_, exp_avg_sqs_, steps_});  // LARS has no exp_avgs: steps only
-    sums = run(d, gp, g_dtype);
+    sums = run(d, gp, g_dtype, Bumps{{exp_avgs_, exp_avg_sqs_, steps_}});  // LARS: steps only
   }
   checked_by_pass1_ = true;
   return sums;
@@ -841,8 +894,9 @@ at::Tensor BucketLists::lamb_pass1(const Grads& grads, const std::vector<double>
                                    const std::optional<at::Tensor>& found_inf) {
   require_state(/*lamb=*/true);
   const LambHyper h = lamb_hyper(hyper, std::nullopt);
-  return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt) {
-    return run_lamb_pass1(d, gp, gt, h, grad_mult);
+  return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt,
+                                     const Bumps& bumps) {
+    return run_lamb_pass1(d, gp, gt, h, grad_mult, bumps);
   });
 }
 
@@ -851,11 +905,10 @@ void BucketLists::lamb_pass2(const at::Tensor& sums, const std::vector<double>& 
                              const std::optional<at::Tensor>& found_inf) {
   taken_ = {};  // LAMB's pass 2 reads no grads
   require_state(/*lamb=*/true);
-  const CheckedLists& d = checked(/*pass2=*/true);
+  const CheckedLists& d = checked(/*reuse=*/std::exchange(checked_by_pass1_, false));
   const LambHyper h = lamb_hyper(hyper, lr);
   if (d.size() == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights_, params_});
-  run_lamb_pass2(d, sums, h);
+  run_lamb_pass2(d, sums, h, Bumps{{weights_, params_}});
 }
 
 at::Tensor BucketLists::lars_pass1(const Grads& grads, const std::vector<double>& hyper,
@@ -863,8 +916,9 @@ at::Tensor BucketLists::lars_pass1(const Grads& grads, const std::vector<double>
                                    const std::optional<at::Tensor>& found_inf) {
   require_state(/*lamb=*/false);
   const LarsHyper h = lars_hyper(hyper, std::nullopt);
-  return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt) {
-    return run_lars_pass1(d, gp, gt, h, grad_mult);
+  return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt,
+                                     const Bumps& bumps) {
+    return run_lars_pass1(d, gp, gt, h, grad_mult, bumps);
   });
 }
 
@@ -876,12 +930,11 @@ void BucketLists::lars_pass2(const Grads& grads, const at::Tensor& sums,
   Taken taken;
   std::swap(taken, taken_);  // let go of the taken grads when this call ends
   require_state(/*lamb=*/false);
-  const CheckedLists& d = checked(/*pass2=*/true);
+  const CheckedLists& d = checked(/*reuse=*/std::exchange(checked_by_pass1_, false));
   const auto [gp, g_dtype] = grad_pointers(grads, taken);
   const LarsHyper h = lars_hyper(hyper, lr);
   if (d.size() == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights_, params_, momentum_buffers_});
-  run_lars_pass2(d, gp, g_dtype, sums, h, grad_mult);
+  run_lars_pass2(d, gp, g_dtype, sums, h, grad_mult, Bumps{{weights_, params_, momentum_buffers_}});
 }
 
 }  // namespace cpu

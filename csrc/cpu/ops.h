@@ -119,7 +119,9 @@ class BucketLists {
   // Python list of grads: after a backward pass the grads have no Python objects yet, and
   // `[p.grad for p in params]` would create one per tensor. Returns false (and keeps nothing) if a
   // grad is missing or accepts() would refuse the grads; else the passes called without grads use
-  // these, and pass 2 lets go of them (so zero_grad(set_to_none=True) frees their memory).
+  // these, and pass 2 lets go of them (so zero_grad(set_to_none=True) frees their memory). The
+  // threads share the tensors, and also look at the static lists for pass 1 (Note [checked
+  // lists] in ops.cpp).
   bool take_grads(at::ScalarType grad_dtype);
   // Per-tensor sums of squares of the taken grads (global clipping), as the sq_norms operator.
   at::Tensor taken_grad_sq_norms() const;
@@ -144,6 +146,8 @@ class BucketLists {
     std::vector<at::Tensor> grads;
     std::vector<const void*> ptrs;  // their data
     at::ScalarType dtype = at::kFloat;
+    // take_grads also found the static lists unchanged: pass 1 of this step need not look again
+    bool static_lists_checked = false;
   };
   // The data pointers and dtype of a pass's grads: the given ones (checked as the operators check
   // them) or the taken ones (checked by take_grads).
@@ -151,10 +155,13 @@ class BucketLists {
                                                                     const Taken& taken) const;
   std::array<at::TensorList, 6> static_lists() const;
   void recheck();                          // checks every static list, builds checked_
-  const CheckedLists& checked(bool pass2);  // Note [checked lists]
-  void require_state(bool lamb) const;       // the lists hold LAMB (or LARS) state
+  // Note [checked lists]: the checked lists, looked at again (static_lists_unchanged) unless
+  // reuse says that this step already did.
+  const CheckedLists& checked(bool reuse);
+  bool static_lists_unchanged() const;     // the fingerprints, looked at by all threads
+  void require_state(bool lamb) const;     // the lists hold LAMB (or LARS) state
   // Pass 1 of either optimizer: checks, then the zeros of a skipped step or run(lists, grad
-  // pointers, grad dtype) after bumping the version counters of the tensors it writes.
+  // pointers, grad dtype, the lists it writes for Note [version counters]).
   template <typename Run>
   at::Tensor pass1(const Grads& grads, const std::optional<at::Tensor>& found_inf, const Run& run);
 
