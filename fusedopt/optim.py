@@ -63,6 +63,32 @@ def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
         buffer.untyped_storage(), offset, shape)
 
 
+def _entries_are_python(dicts, keys, lists) -> bool:
+    if not (all(isinstance(ts, list) and len(ts) == len(dicts) for ts in lists)
+            and all(isinstance(d, dict) for d in dicts)):
+        return False
+    try:
+        return all(all(map(is_, map(itemgetter(k), dicts), ts)) for k, ts in zip(keys, lists))
+    except KeyError:
+        return False
+
+
+_entries_are_impl = None
+
+
+def _entries_are(dicts: list[dict], keys: tuple[str, ...], lists: tuple[list, ...]) -> bool:
+    """Whether ``dicts[i][keys[j]] is lists[j][i]`` for every i and j: one C++ loop when the
+    extension is built (Note [identity scans] in csrc/cpu/python_helpers.h), else Python scans."""
+    global _entries_are_impl
+    if _entries_are_impl is None:
+        try:
+            from ._C import entries_are as impl
+        except ImportError:
+            impl = _entries_are_python
+        _entries_are_impl = impl
+    return _entries_are_impl(dicts, keys, lists)
+
+
 def _aligned_offsets(numels: list[int], dtype: torch.dtype, align_bytes: int = 64):
     """Offsets (in elements) of consecutive tensors of ``numels`` elements in one buffer, each
     starting on an ``align_bytes`` boundary of the buffer, and the buffer's length."""
@@ -101,6 +127,8 @@ class _GroupCache:
     lists: dict[str, list[torch.Tensor]]  # Bucket fields except grads
     persistent: dict  # the buckets' ``persistent`` dict (backend handles of the lists)
     whole_group: bool  # every param of the group is in the bucket (none was without a grad)
+    # (state keys, the lists of their tensors): what each param's state dict must still hold
+    state_entries: tuple[tuple[str, ...], tuple[list[torch.Tensor], ...]]
 
 
 class _TrustRatioOptimizer(Optimizer):
@@ -260,23 +288,23 @@ class _TrustRatioOptimizer(Optimizer):
         # a state tensor replaced or removed inside it
         if not self._state_same and not all(map(is_, map(self.state.__getitem__, ps), c.states)):
             return None
-        for name in self._state_keys + ("step", "master_param"):
-            cached = c.lists.get("masters" if name == "master_param" else name + "s")
-            try:
-                if cached is not None and not all(map(is_, map(itemgetter(name), c.states), cached)):
-                    return None
-            except KeyError:
-                return None
+        if not _entries_are(c.states, *c.state_entries):
+            return None
         return c
 
     def _remember(self, gi, group, ps, states, backend, b: Bucket) -> None:
         lists = {k: v for k, v in vars(b).items() if isinstance(v, list) and k not in ("grads", "writeback")}
+        # the state keys whose tensors the lists hold, and those lists
+        keyed = [(name, lists.get("masters" if name == "master_param" else name + "s"))
+                 for name in self._state_keys + ("step", "master_param")]
+        keyed = [(name, ts) for name, ts in keyed if ts is not None]
         b.persistent = {}
         self._plan_cache[gi] = _GroupCache(
             params=ps, state=self.state, states=states,
             options=(group["backend"], group["master_weights"]), p_dtype=b.param_dtype,
             g_dtype=b.grad_dtype, backend=backend, lists=lists, persistent=b.persistent,
-            whole_group=len(ps) == len(group["params"]))
+            whole_group=len(ps) == len(group["params"]),
+            state_entries=(tuple(n for n, _ in keyed), tuple(ts for _, ts in keyed)))
 
     def _state_as_seen(self) -> bool:
         """Whether ``self.state`` holds the same params and state dicts, in the same order, as

@@ -419,8 +419,8 @@ def test_static_lists_are_rebuilt_when_the_state_is_replaced():
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_steps_bump_version_counters(kind):
     """Note [version counters] in ops.cpp: a tensor saved for backward and then stepped is caught
-    by autograd, as with torch's optimizers; a skipped step (found_inf) bumps nothing. The passes
-    bump in the first chunk of each tensor; a 0-size tensor has no chunk and is bumped apart."""
+    by autograd, as with torch's optimizers; a skipped step (found_inf) bumps nothing. A 0-size
+    tensor (no chunk) is written too: its step count."""
     params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3)),
               torch.nn.Parameter(torch.randn(0))]
     params += [torch.nn.Parameter(torch.randn(5)) for _ in range(600)]
@@ -521,3 +521,33 @@ def test_step_allocates_no_parameter_sized_memory(kind):
     allocs = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
     assert allocs, "the profiler recorded no allocation at all (the check would be vacuous)"
     assert max(allocs) < 4096, f"allocations during step(): {sorted(allocs)[-5:]} bytes"
+
+
+# ------------------------------------------------------------------------ plan-cache helper
+
+def _entries_cases():
+    a, b, c = object(), object(), object()
+    d0, d1 = {"x": a, "y": b}, {"x": c, "y": a}
+    return [  # (id, dicts, keys, lists, expected)
+        ("same", [d0, d1], ("x", "y"), ([a, c], [b, a]), True),
+        ("one key", [d0, d1], ("y",), ([b, a],), True),
+        ("no keys", [d0, d1], (), (), True),
+        ("no dicts", [], ("x",), ([],), True),
+        ("replaced", [d0, d1], ("x", "y"), ([a, c], [b, b]), False),
+        ("equal, not identical", [{"x": 1000.5}], ("x",), ([float("1000.5")],), False),
+        ("missing key", [d0, {"x": c}], ("x", "y"), ([a, c], [b, a]), False),
+        ("not a dict", [d0, [c]], ("x",), ([a, c],), False),
+        ("list too short", [d0, d1], ("x",), ([a],), False),
+        ("not a list", [d0, d1], ("x",), ((a, c),), False),
+    ]
+
+
+@pytest.mark.parametrize("case", _entries_cases(), ids=lambda c: c[0])
+def test_entries_are_answers_as_the_python_scans(case):
+    """Note [identity scans] (csrc/cpu/python_helpers.h): the plan cache's C++ helper and its
+    Python fallback (used when the extension is not built) give the same answers."""
+    from fusedopt import _C
+    from fusedopt.optim import _entries_are_python
+    _, dicts, keys, lists, expected = case
+    assert _C.entries_are(dicts, keys, lists) is expected
+    assert _entries_are_python(dicts, keys, lists) is expected

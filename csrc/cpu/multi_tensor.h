@@ -214,7 +214,6 @@ class ChunkTable {
     int64_t in_batch = 0;
     for (size_t i = 0; i < numels.size(); ++i) {
       first_[i] = static_cast<int64_t>(chunks_.size());
-      if (numels[i] == 0) chunkless_.push_back(static_cast<int64_t>(i));
       for (int64_t off = 0; off < numels[i]; off += kChunk) {
         const int64_t len = std::min(kChunk, numels[i] - off);
         if (in_batch == 0) batch_first_.push_back(static_cast<int64_t>(chunks_.size()));
@@ -230,9 +229,6 @@ class ChunkTable {
   int64_t size() const { return static_cast<int64_t>(chunks_.size()); }
   int64_t tensor_begin(int64_t i) const { return first_[i]; }  // chunks of tensor i:
   int64_t tensor_end(int64_t i) const { return first_[i + 1]; }  // [begin, end)
-  // The tensors without elements, hence without chunks (a pass that does per-tensor work in the
-  // first chunk of each tensor does theirs apart).
-  const std::vector<int64_t>& chunkless() const { return chunkless_; }
 
   // Runs f(c, chunk) for every chunk c (f force-inlined, see run_chunks) in ONE parallel region
   // for the whole bucket, its threads taking batches of chunks until none is left (Note [dynamic
@@ -258,7 +254,6 @@ class ChunkTable {
   std::vector<Chunk> chunks_;
   std::vector<int64_t> first_;        // n + 1 entries
   std::vector<int64_t> batch_first_;  // the first chunk of each batch, then size()
-  std::vector<int64_t> chunkless_;
 };
 
 // Per-tensor sums of the per-chunk partials partial[c * K + k], added in chunk order (Note [chunk

@@ -1,6 +1,8 @@
 // Registration of the torch.ops.fusedopt.* operators, and the Python module fusedopt._C whose
-// import loads them and which holds BucketLists (Note [static lists] in ops.h). Fake (meta) implementations are registered in Python, in
-// fusedopt/backends/cpp.py, which set_python_module names so torch can import it on demand.
+// import loads them and which holds BucketLists (Note [static lists] in ops.h) and the plan
+// cache's identity scan (Note [identity scans] in python_helpers.h). Fake (meta) implementations
+// are registered in Python, in fusedopt/backends/cpp.py, which set_python_module names so torch
+// can import it on demand.
 //
 // Arguments common to the passes (see docs/CONTRIBUTING_BACKENDS.md):
 //   weights    what the math reads as w: the fp32 masters when present, else the params
@@ -17,6 +19,7 @@
 
 #include "multi_tensor.h"
 #include "ops.h"
+#include "python_helpers.h"
 
 TORCH_LIBRARY(fusedopt, m) {
   m.set_python_module("fusedopt.backends.cpp");
@@ -52,6 +55,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedopt C++ CPU kernels, registered as torch.ops.fusedopt.*, and BucketLists";
   m.def("cpu_isa", &fusedopt::cpu::cpu_isa_name,
         "The instruction-set clone the CPU kernels run: baseline, avx2 or avx512.");
+  m.def("entries_are", &fusedopt::cpu::entries_are, py::arg("dicts"), py::arg("keys"),
+        py::arg("lists"),
+        "Whether dicts[i][keys[j]] is lists[j][i] for all i, j (Note [identity scans]).");
   py::class_<BucketLists>(m, "BucketLists",
                           "The static tensor lists of one bucket (Note [static lists], ops.h).")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
