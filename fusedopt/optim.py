@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_, itemgetter, methodcaller
+from operator import attrgetter, is_, methodcaller
 from typing import Any, Callable
 
 import torch
 from torch.optim import Optimizer
 
+from . import _identity
 from . import backends as _backends
 from ._hyper import (
     LAMB_DEFAULTS,
@@ -61,32 +62,6 @@ def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
     shares the storage but, unlike a view, has a version counter of its own."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), offset, shape)
-
-
-def _entries_are_python(dicts, keys, lists) -> bool:
-    if not (all(isinstance(ts, list) and len(ts) == len(dicts) for ts in lists)
-            and all(isinstance(d, dict) for d in dicts)):
-        return False
-    try:
-        return all(all(map(is_, map(itemgetter(k), dicts), ts)) for k, ts in zip(keys, lists))
-    except KeyError:
-        return False
-
-
-_entries_are_impl = None
-
-
-def _entries_are(dicts: list[dict], keys: tuple[str, ...], lists: tuple[list, ...]) -> bool:
-    """Whether ``dicts[i][keys[j]] is lists[j][i]`` for every i and j: one C++ loop when the
-    extension is built (Note [identity scans] in csrc/cpu/python_helpers.h), else Python scans."""
-    global _entries_are_impl
-    if _entries_are_impl is None:
-        try:
-            from ._C import entries_are as impl
-        except ImportError:
-            impl = _entries_are_python
-        _entries_are_impl = impl
-    return _entries_are_impl(dicts, keys, lists)
 
 
 def _aligned_offsets(numels: list[int], dtype: torch.dtype, align_bytes: int = 64):
@@ -280,15 +255,15 @@ class _TrustRatioOptimizer(Optimizer):
         """The group's cache entry if ``ps``, their state and the group's options are the objects
         it was built from."""
         c = self._plan_cache.get(gi)
-        if (c is None or c.state is not self.state or len(ps) != len(c.params)
+        if (c is None or c.state is not self.state
                 or c.options != (group["backend"], group["master_weights"])
-                or not all(map(is_, ps, c.params))):
+                or not _identity.items_are(ps, c.params)):
             return None
         # a param's state dict replaced or deleted (opt.state[p] = {...}; del opt.state[p]), then
         # a state tensor replaced or removed inside it
         if not self._state_same and not all(map(is_, map(self.state.__getitem__, ps), c.states)):
             return None
-        if not _entries_are(c.states, *c.state_entries):
+        if not _identity.entries_are(c.states, *c.state_entries):
             return None
         return c
 
@@ -309,12 +284,12 @@ class _TrustRatioOptimizer(Optimizer):
     def _state_as_seen(self) -> bool:
         """Whether ``self.state`` holds the same params and state dicts, in the same order, as
         when the last plan was built: then every cache entry's ``states`` still are the state
-        dicts of its params (each entry was checked or made by that plan). Two identity scans in
-        C, without hashing the params (a tensor's ``__hash__`` is a Python call): for 4000
-        params ~0.3 ms instead of the ~1 ms of looking up every param (measured)."""
+        dicts of its params (each entry was checked or made by that plan). One identity scan of
+        the mapping's items, without hashing the params (a tensor's ``__hash__`` is a Python
+        call): ~1 ms to look up every param of 4000, ~0.2 ms for the scan in Python, ~0.02 ms in
+        C++ (fusedopt._identity)."""
         seen, st = self._state_seen, self.state
-        return (seen is not None and seen[0] is st and len(st) == len(seen[1])
-                and all(map(is_, st.keys(), seen[1])) and all(map(is_, st.values(), seen[2])))
+        return seen is not None and seen[0] is st and _identity.dict_items_are(st, seen[1], seen[2])
 
     def _build_plan(self):
         same = self._state_same = self._state_as_seen()

@@ -523,31 +523,41 @@ def test_step_allocates_no_parameter_sized_memory(kind):
     assert max(allocs) < 4096, f"allocations during step(): {sorted(allocs)[-5:]} bytes"
 
 
-# ------------------------------------------------------------------------ plan-cache helper
+# ----------------------------------------------------------------------- plan-cache helpers
 
-def _entries_cases():
+def _identity_cases():
     a, b, c = object(), object(), object()
     d0, d1 = {"x": a, "y": b}, {"x": c, "y": a}
-    return [  # (id, dicts, keys, lists, expected)
-        ("same", [d0, d1], ("x", "y"), ([a, c], [b, a]), True),
-        ("one key", [d0, d1], ("y",), ([b, a],), True),
-        ("no keys", [d0, d1], (), (), True),
-        ("no dicts", [], ("x",), ([],), True),
-        ("replaced", [d0, d1], ("x", "y"), ([a, c], [b, b]), False),
-        ("equal, not identical", [{"x": 1000.5}], ("x",), ([float("1000.5")],), False),
-        ("missing key", [d0, {"x": c}], ("x", "y"), ([a, c], [b, a]), False),
-        ("not a dict", [d0, [c]], ("x",), ([a, c],), False),
-        ("list too short", [d0, d1], ("x",), ([a],), False),
-        ("not a list", [d0, d1], ("x",), ((a, c),), False),
+    return [  # (id, function, args, expected)
+        ("entries: same", "entries_are", ([d0, d1], ("x", "y"), ([a, c], [b, a])), True),
+        ("entries: one key", "entries_are", ([d0, d1], ("y",), ([b, a],)), True),
+        ("entries: no keys", "entries_are", ([d0, d1], (), ()), True),
+        ("entries: no dicts", "entries_are", ([], ("x",), ([],)), True),
+        ("entries: replaced", "entries_are", ([d0, d1], ("x", "y"), ([a, c], [b, b])), False),
+        ("entries: equal, not identical", "entries_are",
+         ([{"x": 1000.5}], ("x",), ([float("1000.5")],)), False),
+        ("entries: missing key", "entries_are", ([d0, {"x": c}], ("x", "y"), ([a, c], [b, a])),
+         False),
+        ("entries: not a dict", "entries_are", ([d0, [c]], ("x",), ([a, c],)), False),
+        ("entries: list too short", "entries_are", ([d0, d1], ("x",), ([a],)), False),
+        ("entries: not a list", "entries_are", ([d0, d1], ("x",), ((a, c),)), False),
+        ("items: same", "items_are", ([a, b, c], [a, b, c]), True),
+        ("items: empty", "items_are", ([], []), True),
+        ("items: other order", "items_are", ([a, b], [b, a]), False),
+        ("items: shorter", "items_are", ([a, b], [a]), False),
+        ("dict: same", "dict_items_are", (d0, ["x", "y"], [a, b]), True),
+        ("dict: value replaced", "dict_items_are", (d0, ["x", "y"], [a, c]), False),
+        ("dict: other order", "dict_items_are", (d0, ["y", "x"], [b, a]), False),
+        ("dict: one more key", "dict_items_are", ({**d0, "z": c}, ["x", "y"], [a, b]), False),
+        ("dict: shorter values", "dict_items_are", (d0, ["x", "y"], [a]), False),
     ]
 
 
-@pytest.mark.parametrize("case", _entries_cases(), ids=lambda c: c[0])
-def test_entries_are_answers_as_the_python_scans(case):
-    """Note [identity scans] (csrc/cpu/python_helpers.h): the plan cache's C++ helper and its
-    Python fallback (used when the extension is not built) give the same answers."""
-    from fusedopt import _C
-    from fusedopt.optim import _entries_are_python
-    _, dicts, keys, lists, expected = case
-    assert _C.entries_are(dicts, keys, lists) is expected
-    assert _entries_are_python(dicts, keys, lists) is expected
+@pytest.mark.parametrize("case", _identity_cases(), ids=lambda c: c[0])
+def test_identity_helpers_answer_as_their_python_fallbacks(case):
+    """Note [identity scans] (csrc/cpu/python_helpers.h): the plan cache's C++ helpers and their
+    Python fallbacks (used when the extension is not built) give the same answers."""
+    from fusedopt import _C, _identity
+    _, name, args, expected = case
+    assert getattr(_C, name)(*args) is expected
+    assert _identity.PYTHON[name](*args) is expected

@@ -494,8 +494,17 @@ def test_excluded_group_gets_plain_update(kind):
 
 
 # ---------------------------------------------------------------------- plan cache (optim.py)
+@pytest.fixture(params=["native", "python"])
+def identity_checks(request, monkeypatch):
+    """The plan cache's identity checks in C++ (when built) or in their Python fallback."""
+    from fusedopt import _identity
+    if request.param == "python":
+        monkeypatch.setattr(_identity, "_impl", dict(_identity.PYTHON))
+    return request.param
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind):
+def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind, identity_checks):
     m = model()
     opt = OPTS[kind](m.parameters())
     train(opt, m, 2)
@@ -520,7 +529,7 @@ def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind):
 @pytest.mark.parametrize("reset", ["del_state", "new_state_dict"])
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_plan_sees_a_state_reset_by_hand(kind, backend, reset):
+def test_cached_plan_sees_a_state_reset_by_hand(kind, backend, reset, identity_checks):
     """Resetting one param's state (as some training loops do) restarts it on the next step, with
     the plan cache as without it."""
     m = model()

@@ -1,4 +1,5 @@
-// Python-level helpers of fusedopt._C that the optimizer's plan cache calls on every step.
+// Python-level helpers of fusedopt._C that the optimizer's plan cache calls on every step
+// (Note [identity scans]); fusedopt/optim.py has a Python fallback of each.
 #pragma once
 
 #include <Python.h>
@@ -54,6 +55,32 @@ inline bool entries_are(const pybind11::list& dicts, const pybind11::tuple& keys
     }
   }
   return true;
+}
+
+// Whether a and b (lists) hold the same objects in the same order.
+inline bool items_are(const pybind11::list& a, const pybind11::list& b) {
+  const Py_ssize_t n = PyList_GET_SIZE(a.ptr());
+  if (PyList_GET_SIZE(b.ptr()) != n) return false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyList_GET_ITEM(a.ptr(), i) != PyList_GET_ITEM(b.ptr(), i)) return false;
+  }
+  return true;
+}
+
+// Whether the items of d, in its order, are exactly (keys[i], values[i]) (keys and values lists).
+inline bool dict_items_are(const pybind11::dict& d, const pybind11::list& keys,
+                           const pybind11::list& values) {
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  if (PyDict_GET_SIZE(d.ptr()) != n || PyList_GET_SIZE(values.ptr()) != n) return false;
+  Py_ssize_t pos = 0, i = 0;
+  PyObject *key, *value;  // borrowed
+  while (PyDict_Next(d.ptr(), &pos, &key, &value)) {
+    if (key != PyList_GET_ITEM(keys.ptr(), i) || value != PyList_GET_ITEM(values.ptr(), i)) {
+      return false;
+    }
+    ++i;
+  }
+  return i == n;
 }
 
 }  // namespace cpu

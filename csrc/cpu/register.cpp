@@ -58,6 +58,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("entries_are", &fusedopt::cpu::entries_are, py::arg("dicts"), py::arg("keys"),
         py::arg("lists"),
         "Whether dicts[i][keys[j]] is lists[j][i] for all i, j (Note [identity scans]).");
+  m.def("items_are", &fusedopt::cpu::items_are, py::arg("a"), py::arg("b"),
+        "Whether two lists hold the same objects in the same order.");
+  m.def("dict_items_are", &fusedopt::cpu::dict_items_are, py::arg("d"), py::arg("keys"),
+        py::arg("values"), "Whether a dict's items, in order, are exactly these keys and values.");
   py::class_<BucketLists>(m, "BucketLists",
                           "The static tensor lists of one bucket (Note [static lists], ops.h).")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
