@@ -336,53 +336,62 @@ def _change_in_place(params, opt):
     assert all(moved)
 
 
-@pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])  # 1500: threads share the looking
+def _both_ways_with_a_change(kind, extra, monkeypatch, change):
+    """Four steps over ZOO (after ``extra`` tensors of 3 elements: above kTensorGrain the threads
+    share the looking) through BucketLists and through the operators; ``change(params, opt)`` runs
+    before the third step and returns a check, run after the last. Both ways give the same bits."""
+    runs = []
+    for static_lists in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(type(CPP), "_has_static_lists", static_lists)
+            shapes = [(3,)] * extra + list(ZOO)
+            params = [torch.nn.Parameter(t) for t in make_tensors(shapes, torch.float32, 0)]
+            opt = _opt(kind, params)
+            for step in range(4):
+                if step == 2:
+                    check = change(params, opt)
+                _set_grads(params, step)
+                opt.step()
+            check()
+            runs.append(_snapshot(params, opt))
+    _assert_bitwise(*runs)
+
+
+EXTRA = pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])
+
+
+@EXTRA
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_static_lists_follow_tensors_changed_in_place(kind, extra, monkeypatch):
     """Note [checked lists] in ops.cpp: BucketLists keeps its static lists' data pointers between
     steps; when a tensor's data moves while the objects stay (so the Python plan cache still holds)
     it sees the change and steps the new data, as the operators do."""
-    runs = []
-    for static_lists in (True, False):
-        with monkeypatch.context() as m:
-            m.setattr(type(CPP), "_has_static_lists", static_lists)
-            shapes = [(3,)] * extra + list(ZOO)
-            params = [torch.nn.Parameter(t) for t in make_tensors(shapes, torch.float32, 0)]
-            opt = _opt(kind, params)
-            for step in range(4):
-                if step == 2:
-                    handle = opt._plan_cache[0].persistent.get("cpp")
-                    _change_in_place(params, opt)
-                _set_grads(params, step)
-                opt.step()
-            assert opt._plan_cache[0].persistent.get("cpp") is handle  # the same lists went on
-            runs.append(_snapshot(params, opt))
-    _assert_bitwise(*runs)
+    def change(params, opt):
+        handle = opt._plan_cache[0].persistent.get("cpp")
+        _change_in_place(params, opt)
+
+        def check():  # the same lists went on
+            assert opt._plan_cache[0].persistent.get("cpp") is handle
+        return check
+    _both_ways_with_a_change(kind, extra, monkeypatch, change)
 
 
-@pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])
+@EXTRA
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_static_lists_materialize_a_copy_on_write_state(kind, extra, monkeypatch):
     """A state tensor lazily cloned between steps (copy-on-write storage, same data pointer): the
     step writes a copy of its own, the clone keeps its values, as with the operators."""
     key = "exp_avg" if kind == "lamb" else "momentum_buffer"
-    runs = []
-    for static_lists in (True, False):
-        with monkeypatch.context() as m:
-            m.setattr(type(CPP), "_has_static_lists", static_lists)
-            shapes = [(3,)] * extra + list(ZOO)
-            params = [torch.nn.Parameter(t) for t in make_tensors(shapes, torch.float32, 0)]
-            opt = _opt(kind, params)
-            for step in range(4):
-                if step == 2:
-                    state = opt.state[params[-3]][key]
-                    before = state.clone()
-                    lazy = torch._lazy_clone(state)
-                _set_grads(params, step)
-                opt.step()
+
+    def change(params, opt):
+        state = opt.state[params[-3]][key]
+        before = state.clone()
+        lazy = torch._lazy_clone(state)
+
+        def check():
             assert torch.equal(lazy, before) and not torch.equal(state, before)
-            runs.append(_snapshot(params, opt))
-    _assert_bitwise(*runs)
+        return check
+    _both_ways_with_a_change(kind, extra, monkeypatch, change)
 
 
 def test_static_lists_raise_when_a_changed_tensor_no_longer_fits():
