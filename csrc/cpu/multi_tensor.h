@@ -7,7 +7,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -53,14 +52,6 @@ namespace cpu {
 // writes its partial sums to its own slot; the partials of a tensor are then added in chunk order
 // on one thread. So the norms are bit-identical for any thread count and from run to run.
 constexpr int64_t kChunk = 1 << 15;
-
-// Note [dynamic chunk batches]: a pass hands out runs of consecutive chunks of at least kBatch
-// elements ("batches") to its threads from an atomic counter, rather than a fixed half of the
-// bucket to each thread. On our 2-core VM one core often ran the same work 10-15% slower than the
-// other (timed per thread and region), and the faster thread then waited at the region's end.
-// Which thread runs a chunk changes no result (Note [chunk partition]); a bucket of one batch runs
-// inline, without a parallel region.
-constexpr int64_t kBatch = 1 << 16;
 
 // Per-tensor work (looking at metadata, taking grads) is split among the threads only for lists
 // of more than this many tensors; for fewer, a parallel region costs more than it saves.
@@ -203,57 +194,64 @@ void run_chunks(const F& f, const Chunk* chunks, int64_t begin, int64_t end) {
   run_chunks_baseline(f, chunks, begin, end);
 }
 
-// The chunks of a list of tensors (see Note [chunk partition]) and their batches (Note [dynamic
-// chunk batches]).
+// The chunks of a list of tensors (see Note [chunk partition]).
 class ChunkTable {
  public:
   explicit ChunkTable(const std::vector<int64_t>& numels) : first_(numels.size() + 1, 0) {
     int64_t count = 0;
     for (int64_t n : numels) count += (n + kChunk - 1) / kChunk;
     chunks_.reserve(count);
-    int64_t in_batch = 0;
+    elems_before_.reserve(count + 1);
+    elems_before_.push_back(0);
     for (size_t i = 0; i < numels.size(); ++i) {
       first_[i] = static_cast<int64_t>(chunks_.size());
       for (int64_t off = 0; off < numels[i]; off += kChunk) {
         const int64_t len = std::min(kChunk, numels[i] - off);
-        if (in_batch == 0) batch_first_.push_back(static_cast<int64_t>(chunks_.size()));
         chunks_.push_back({static_cast<int64_t>(i), off, len});
-        in_batch += len;
-        if (in_batch >= kBatch) in_batch = 0;
+        elems_before_.push_back(elems_before_.back() + len);
       }
     }
     first_[numels.size()] = static_cast<int64_t>(chunks_.size());
-    batch_first_.push_back(static_cast<int64_t>(chunks_.size()));
   }
 
   int64_t size() const { return static_cast<int64_t>(chunks_.size()); }
   int64_t tensor_begin(int64_t i) const { return first_[i]; }  // chunks of tensor i:
   int64_t tensor_end(int64_t i) const { return first_[i + 1]; }  // [begin, end)
+  int64_t total_elements() const { return elems_before_.back(); }
 
   // Runs f(c, chunk) for every chunk c (f force-inlined, see run_chunks) in ONE parallel region
-  // for the whole bucket, its threads taking batches of chunks until none is left (Note [dynamic
-  // chunk batches]): many small tensors cost one fork/join, not one per tensor.
+  // for the whole bucket: each thread takes a contiguous run of chunks holding about
+  // total/threads elements (so many small tensors cost one fork/join, not one per tensor).
+  // Buckets of at most kChunk elements run inline without forking.
   template <typename F>
   void parallel_for(const F& f) const {
-    const int64_t batches = static_cast<int64_t>(batch_first_.size()) - 1;
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), batches);
-    if (threads <= 1) {
-      if (batches > 0) run_chunks(f, chunks_.data(), 0, size());
-      return;
-    }
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t b = next.fetch_add(1, std::memory_order_relaxed); b < batches;
-           b = next.fetch_add(1, std::memory_order_relaxed)) {
-        run_chunks(f, chunks_.data(), batch_first_[b], batch_first_[b + 1]);
+    const int64_t total = total_elements();
+    if (total == 0) return;
+    const int64_t slots = std::min<int64_t>(
+        std::min<int64_t>(at::get_num_threads(), (total + kChunk - 1) / kChunk), size());
+    auto run = [&](int64_t slot_begin, int64_t slot_end) {
+      for (int64_t s = slot_begin; s < slot_end; ++s) {
+        run_chunks(f, chunks_.data(), first_chunk_at(total * s / slots),
+                   first_chunk_at(total * (s + 1) / slots));
       }
-    });
+    };
+    if (slots <= 1) {
+      run(0, 1);
+    } else {
+      at::parallel_for(0, slots, 1, run);
+    }
   }
 
  private:
+  // The first chunk that starts at or after element e of the concatenated bucket.
+  int64_t first_chunk_at(int64_t e) const {
+    const auto first = elems_before_.begin();
+    return std::lower_bound(first, elems_before_.end() - 1, e) - first;
+  }
+
   std::vector<Chunk> chunks_;
-  std::vector<int64_t> first_;        // n + 1 entries
-  std::vector<int64_t> batch_first_;  // the first chunk of each batch, then size()
+  std::vector<int64_t> first_;         // n + 1 entries
+  std::vector<int64_t> elems_before_;  // chunks + 1 entries: prefix sums of the chunk lengths
 };
 
 // Per-tensor sums of the per-chunk partials partial[c * K + k], added in chunk order (Note [chunk

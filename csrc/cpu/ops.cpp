@@ -626,7 +626,7 @@ void run_lars_pass2(const CheckedLists& d, const std::vector<const void*>& grads
         void* const* vp = d.state_a.data();
         d.table.parallel_for([&](int64_t, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
           const int64_t i = ch.tensor, o = ch.offset;
-            P* p = pp == nullptr ? nullptr : static_cast<P*>(pp[i]) + o;
+          P* p = pp == nullptr ? nullptr : static_cast<P*>(pp[i]) + o;
           lars_pass2_chunk_any<W, G, P, T>(static_cast<W*>(wp[i]) + o, p,
                                            static_cast<const G*>(gp[i]) + o,
                                            static_cast<T*>(vp[i]) + o, ch.len, gm, coef[i]);

@@ -161,7 +161,7 @@ class BucketLists {
   bool static_lists_unchanged() const;     // the fingerprints, looked at by all threads
   void require_state(bool lamb) const;     // the lists hold LAMB (or LARS) state
   // Pass 1 of either optimizer: checks, then the zeros of a skipped step or run(lists, grad
-  // pointers, grad dtype, the lists it writes for Note [version counters]).
+  // pointers, grad dtype) after bumping the version counters of the tensors it writes.
   template <typename Run>
   at::Tensor pass1(const Grads& grads, const std::optional<at::Tensor>& found_inf, const Run& run);
 
