@@ -782,12 +782,16 @@ const CheckedLists& BucketLists::checked(bool reuse) {
   return *checked_;
 }
 
+bool BucketLists::static_lists_unchanged(int64_t begin, int64_t end) const {
+  // no checked lists: a recheck raised, the lists are not usable yet
+  return checked_ != nullptr && fingerprints_->unchanged(static_lists(), begin, end);
+}
+
 bool BucketLists::static_lists_unchanged() const {
-  if (checked_ == nullptr) return false;  // a recheck raised: the lists are not usable yet
   std::atomic<bool> same{true};
   at::parallel_for(0, static_cast<int64_t>(weights_.size()), kTensorGrain,
                    [&](int64_t begin, int64_t end) {
-                     if (!fingerprints_->unchanged(static_lists(), begin, end)) same = false;
+                     if (!static_lists_unchanged(begin, end)) same = false;
                    });
   return same;
 }
@@ -818,9 +822,9 @@ bool BucketLists::take_grads(at::ScalarType grad_dtype) {
   Taken taken;
   taken.grads.resize(n);
   taken.ptrs.resize(n);
-  std::atomic<bool> fit{true}, unchanged{checked_ != nullptr};  // nullptr: a recheck raised
+  std::atomic<bool> fit{true}, unchanged{true};
   at::parallel_for(0, n, kTensorGrain, [&](int64_t begin, int64_t end) {
-    if (unchanged && !fingerprints_->unchanged(static_lists(), begin, end)) unchanged = false;
+    if (!static_lists_unchanged(begin, end)) unchanged = false;
     for (int64_t i = begin; i < end && fit.load(std::memory_order_relaxed); ++i) {
       const at::Tensor& g = grad_holders_[i].grad();
       if (!grad_fits(g, i, grad_dtype)) {

@@ -159,6 +159,7 @@ class BucketLists {
   // reuse says that this step already did.
   const CheckedLists& checked(bool reuse);
   bool static_lists_unchanged() const;     // the fingerprints, looked at by all threads
+  bool static_lists_unchanged(int64_t begin, int64_t end) const;  // of tensors [begin, end)
   void require_state(bool lamb) const;     // the lists hold LAMB (or LARS) state
   // Pass 1 of either optimizer: checks, then the zeros of a skipped step or run(lists, grad
   // pointers, grad dtype) after bumping the version counters of the tensors it writes.

@@ -1,5 +1,5 @@
 // Python-level helpers of fusedopt._C that the optimizer's plan cache calls on every step
-// (Note [identity scans]); fusedopt/optim.py has a Python fallback of each.
+// (Note [identity scans]); fusedopt/_identity.py calls them and has a Python fallback of each.
 #pragma once
 
 #include <Python.h>
