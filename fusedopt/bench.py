@@ -19,6 +19,11 @@ comes from a last phase in which the compiled fusedopt steps of both sets and bo
 in the same rounds: timed minutes apart, as the per-set tables are, that ratio moved with the
 machine's speed (between 1.6 and 2.5 for the same build on our CPU machine). The yardstick's own
 per-element ratio, printed beside it, is what the memory system alone gives.
+
+The many-small-tensors set also runs the compiled fusedopt steps on a copy of its params and grads
+moved into flat buffers by ``fusedopt.flatten_parameters`` (rows marked "flattened params"; Note
+[flat params] in ``fusedopt/flat.py``), in its table and in the last phase: the other rows use
+one allocation per param and per grad, as ``nn.Module`` and autograd make them.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import torch
 import fusedopt
 
 BYTES_PER_ELEMENT = {"lamb": 40, "lars": 28, "adamw": 28, "sgd": 20}
+FLATTENED = " (flattened params)"  # suffix of the rows on flattened params (module docstring)
 
 
 def bert_base_shapes(layers: int = 12, vocab: int = 30522, hidden: int = 768, ffn: int = 3072):
@@ -128,7 +134,8 @@ def ratios(medians: dict[str, dict[str, float]]) -> list[str]:
     row of each set (rows of one set were timed in the same rounds)."""
     lines = []
     for set_name, m in medians.items():
-        for row in [k for k in m if k.startswith("fusedopt ") and not k.endswith("[eager]")]:
+        rows = [k for k in m if k.startswith("fusedopt ") and not k.endswith(("[eager]", FLATTENED))]
+        for row in rows:
             kind = row.split()[1]  # LAMB or LARS
             against = [("torch AdamW(fused=True)", False)] if kind == "LAMB" else []
             against += [(f"timm {kind.capitalize()} (foreach)", True),
@@ -142,12 +149,13 @@ def ratios(medians: dict[str, dict[str, float]]) -> list[str]:
 
 
 def per_element_ratios(medians: dict[str, dict[str, float]], numels: dict[str, int]) -> list[str]:
-    """Time per element of the second set over the first, for each row both sets have; the
-    medians should come from rounds that timed both sets (see ``joint_rounds``)."""
+    """Time per element of the second set over the first, for each row of the second set whose
+    row (the same optimizer on params not flattened) the first has; the medians should come from
+    rounds that timed both sets (see ``joint_rounds``)."""
     (big, mb), (small, ms) = medians.items()
     return [f"{row}: time per element, {small} / {big} = "
-            f"{(ms[row] / numels[small]) / (mb[row] / numels[big]):.2f}"
-            for row in ms if row in mb]
+            f"{(ms[row] / numels[small]) / (mb[base] / numels[big]):.2f}"
+            for row in ms if (base := row.removesuffix(FLATTENED)) in mb]
 
 
 def joint_rounds(fns: dict[str, dict[str, Callable[[], None]]], numels: dict[str, int],
@@ -160,6 +168,16 @@ def joint_rounds(fns: dict[str, dict[str, Callable[[], None]]], numels: dict[str
                for s, rows in fns.items()}
     return ([f"time per element, both sets in the same {rounds} rounds:"]
             + per_element_ratios(medians, numels))
+
+
+def make_params(shapes, device: torch.device) -> list[torch.nn.Parameter]:
+    """Params of ``shapes`` with grads (seeded values), each param and grad an allocation of its
+    own, as a model and autograd make them."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device) * 1e-3
+    return params
 
 
 def candidates(device: torch.device, quick: bool):
@@ -243,17 +261,21 @@ def run(quick: bool = False, device: str = "cpu", repeats: int | None = None, on
           f"cpus {os.cpu_count()}, backends {fusedopt.available_backends()}, "
           f"cpp kernels {_cpp_isa()}")
     medians, numels, joint = {}, {}, {}
-    for set_name, shapes in param_sets(quick).items():
+    sets = param_sets(quick)
+    for set_name, shapes in sets.items():
         numel = numels[set_name] = sum(torch.Size(s).numel() for s in shapes)
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev)) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(dev) * 1e-3
+        params = make_params(shapes, dev)
+        # the many-small-tensors set (the last) again, flattened (module docstring)
+        flat = make_params(shapes, dev) if set_name == list(sets)[-1] else None
+        if flat is not None:
+            fusedopt.flatten_parameters(flat)
         a, c = torch.randn(numel, device=dev), torch.randn(numel, device=dev)
         rows = {YARDSTICK: (12, lambda a=a, c=c: a.add_(c, alpha=1e-3), 0)}  # this set's a, c
         for label, kind, factory, phase in candidates(dev, quick):
             if not only or only.lower() in label.lower():
                 rows[label] = (BYTES_PER_ELEMENT[kind], factory(params).step, phase)
+                if flat is not None and label.startswith("fusedopt ") and phase == 0:
+                    rows[label + FLATTENED] = (BYTES_PER_ELEMENT[kind], factory(flat).step, 0)
         times = {}
         for phase in (0, 1):
             fns = {k: fn for k, (_, fn, ph) in rows.items() if ph == phase}
@@ -266,7 +288,7 @@ def run(quick: bool = False, device: str = "cpu", repeats: int | None = None, on
         # optimizers keep this set's params alive); the others are freed now
         joint[set_name] = {k: fn for k, (_, fn, ph) in rows.items()
                            if k == YARDSTICK or (k.startswith("fusedopt ") and ph == 0)}
-        del rows, params, a, c
+        del rows, params, flat, a, c
         gc.collect()
     lines = ratios(medians)
     if len(joint) == 2 and len(next(iter(joint.values()))) > 1:

@@ -24,6 +24,7 @@ from ._hyper import (
     validate_lamb_group,
     validate_lars_group,
 )
+from .flat import _aligned_offsets, _dense_layout
 from .functional import Bucket, compute_dtype, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -46,34 +47,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
-def _dense_layout(t: torch.Tensor) -> bool:
-    """True if the elements of ``t`` fill its storage span exactly once (any dim order)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
-
-
 def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
     """A contiguous tensor of ``shape`` on ``buffer``'s storage from element ``offset`` on: it
     shares the storage but, unlike a view, has a version counter of its own."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), offset, shape)
-
-
-def _aligned_offsets(numels: list[int], dtype: torch.dtype, align_bytes: int = 64):
-    """Offsets (in elements) of consecutive tensors of ``numels`` elements in one buffer, each
-    starting on an ``align_bytes`` boundary of the buffer, and the buffer's length."""
-    unit = max(1, align_bytes // dtype.itemsize)
-    offsets, end = [], 0
-    for n in numels:
-        start = -(-end // unit) * unit
-        offsets.append(start)
-        end = start + n
-    return offsets, end
 
 
 @dataclass

@@ -37,7 +37,8 @@ def test_ratios_of_the_performance_targets():
     medians = {
         "big": {"fusedopt LAMB [cpp]": 120.0, "torch AdamW(fused=True)": 80.0,
                 "timm Lamb (foreach)": 600.0, "fusedopt LAMB [eager]": 960.0},
-        "small": {"fusedopt LAMB [cpp]": 15.0, "torch AdamW(fused=True)": 50.0},
+        "small": {"fusedopt LAMB [cpp]": 15.0, "torch AdamW(fused=True)": 50.0,
+                  "fusedopt LAMB [cpp] (flattened params)": 12.0},
     }
     assert bench.ratios(medians) == [
         "big: fusedopt LAMB [cpp] / torch AdamW(fused=True) = 1.50",
@@ -48,6 +49,8 @@ def test_ratios_of_the_performance_targets():
     assert bench.per_element_ratios(medians, {"big": 100, "small": 10}) == [
         "fusedopt LAMB [cpp]: time per element, small / big = 1.25",
         "torch AdamW(fused=True): time per element, small / big = 6.25",
+        # a flattened row is compared with the same optimizer on the (unflattened) big set
+        "fusedopt LAMB [cpp] (flattened params): time per element, small / big = 1.00",
     ]
 
 
@@ -79,6 +82,10 @@ def test_quick_bench_prints_the_joint_per_element_ratios(capsys):
     bench.run(quick=True, repeats=3, only="LAMB [cpp]")
     out = capsys.readouterr().out
     assert "time per element, both sets in the same 3 rounds:" in out
-    for row in ("fusedopt LAMB [cpp]", "in-place a.add_(c, alpha=s)"):
+    for row in ("fusedopt LAMB [cpp]", "fusedopt LAMB [cpp] (flattened params)",
+                "in-place a.add_(c, alpha=s)"):
         assert re.search(rf"^{re.escape(row)}: time per element, 500 x 2,500 / "
                          r"bert-like \(2 layers\) = \d+\.\d\d$", out, re.M), out
+    # the flattened rows are timed in the small set's table, not in the bert-like one
+    tables = out.split("\n\n")
+    assert "(flattened params)" in tables[2] and "(flattened params)" not in tables[1], out

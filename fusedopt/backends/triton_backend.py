@@ -29,7 +29,7 @@ import torch
 from . import Backend
 from ..functional import Bucket
 from .._hyper import LambHyper, LarsHyper
-from ..optim import _dense_layout
+from ..flat import _dense_layout
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NEED_INTERPRETER = ("Triton kernels need a CUDA device; CPU tensors run only under "
