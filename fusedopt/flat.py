@@ -139,8 +139,8 @@ def _check(params: list[torch.Tensor], grads: bool) -> None:
             if key in storages:
                 raise ValueError(
                     f"params {storages[key]} and {i} share a storage (views of one tensor, or "
-                    "tied by .data); flattening would untie them. Tie weights by using one "
-                    "Parameter object in both places")
+                    "already flattened: use the FlatParameters of that call); flattening would "
+                    "move them out of it. Tie weights by using one Parameter object in both places")
             storages[key] = i
         g = p.grad
         if grads and g is not None:
@@ -168,13 +168,14 @@ def flatten_parameters(params, *, grads: bool = True) -> FlatParameters:
     Call it before building an optimizer, ``DistributedDataParallel`` or anything else that holds
     on to the params' storage. Not for FSDP (DTensor params are refused), and do not combine
     ``grads=True`` with DDP's ``gradient_as_bucket_view=True``, which makes grads views of its own
-    buckets. The old storages are freed when nothing else refers to them: at most one extra copy
-    of the params exists while this runs.
+    buckets. Moving the model afterwards (``model.to(...)``, ``model.half()``) gives its params new
+    allocations of their own again: flatten after moving. The old storages are freed when nothing
+    else refers to them: at most one extra copy of the params exists while this runs.
 
-    Raises ``ValueError``, changing nothing, for params that share a storage (two views of one
-    tensor: flattening would untie them; a param given twice is flattened once), DTensors, sparse or
-    non-leaf tensors, layouts with gaps or overlaps, meta tensors, and grads whose shape, dtype or
-    device differ from their param's.
+    Raises ``ValueError``, changing nothing, for params that share a storage (views of one tensor,
+    params flattened before: flattening would move them out of it; a param given twice is
+    flattened once), DTensors, sparse or non-leaf tensors, layouts with gaps or overlaps, meta
+    tensors, and grads whose shape, dtype or device differ from their param's.
     """
     ps = _unique_params(params)
     _check(ps, grads)

@@ -201,8 +201,15 @@ class _Sharded(torch.Tensor):
         return self
 
 
+def _flattened_before():
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))]
+    fusedopt.flatten_parameters(params)
+    return params
+
+
 BAD = {
     "shared storage": (_views_of_one, ValueError, "share a storage"),
+    "flattened before": (_flattened_before, ValueError, "already flattened"),
     "non-leaf": (lambda: [torch.randn(3, requires_grad=True) * 2], ValueError, "not a leaf"),
     "sparse": (lambda: [torch.randn(3, 3).to_sparse()], ValueError, "layout torch.sparse_coo"),
     "overlapping strides": (lambda: [torch.randn(3, 1).expand(3, 4)], ValueError, "overlap or leave gaps"),
