@@ -134,8 +134,8 @@ def ratios(medians: dict[str, dict[str, float]]) -> list[str]:
     row of each set (rows of one set were timed in the same rounds)."""
     lines = []
     for set_name, m in medians.items():
-        rows = [k for k in m if k.startswith("fusedopt ") and not k.endswith(("[eager]", FLATTENED))]
-        for row in rows:
+        skip = ("[eager]", FLATTENED)  # the targets compare the compiled steps on params as made
+        for row in [k for k in m if k.startswith("fusedopt ") and not k.endswith(skip)]:
             kind = row.split()[1]  # LAMB or LARS
             against = [("torch AdamW(fused=True)", False)] if kind == "LAMB" else []
             against += [(f"timm {kind.capitalize()} (foreach)", True),

@@ -503,6 +503,32 @@ def scenario_ddp_accumulate(ctx, backend: str, k: int = 3):
                 acc_counts=acc_counts, sync_count=sync_count)
 
 
+def scenario_ddp_flat(ctx, backend: str):
+    """DDP over params and grads flattened by fusedopt.flatten_parameters (before wrapping), grads
+    zeroed by FlatParameters.zero_grad: the same steps as one process, and DDP writes the reduced
+    grads into the flat grad buffer (each grad stays its slice)."""
+    import fusedopt
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kind, kw, exclude = OPT_CASES["lamb_clip"]
+    rank = ctx["rank"]
+    inner = make_model()
+    flat = fusedopt.flatten_parameters(inner)
+    model = DDP(inner)
+    opt = make_opt(kind, groups(inner, exclude), kw, backend)
+    storage = flat.grad_buffers[(torch.device("cpu"), torch.float32)].untyped_storage().data_ptr()
+    in_buffer = []
+    for s in range(STEPS):
+        x, y = batch(s)
+        flat.zero_grad()
+        loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+        in_buffer.append(all(p.grad.untyped_storage().data_ptr() == storage
+                             for p in inner.parameters()))
+        opt.step()
+    ref = train_reference(kind, kw, exclude, backend)
+    return dict(err=rel_err(list(inner.parameters()), ref), in_buffer=in_buffer)
+
+
 def scenario_fsdp2_accumulate(ctx, backend: str, k: int = 2):
     """FSDP2 with accumulate (set_requires_gradient_sync): k micro-batches == one big batch."""
     from fusedopt.distributed import accumulate
@@ -541,6 +567,7 @@ def scenarios(backends: list[str]):
         out.append((f"errors-{be}", scenario_errors, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))
+        out.append((f"ddp_flat-{be}", scenario_ddp_flat, (be,)))
     out.append(("flat_group", scenario_flat_group, ()))
     return out
 

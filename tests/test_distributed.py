@@ -188,6 +188,16 @@ def test_zero_clipping_without_enable_is_per_rank(job, backend):
 # ---------------------------------------------------------------------------- accumulation
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_ddp_over_flattened_params(job, backend):
+    """fusedopt.flatten_parameters before DDP: same steps as one process, grads stay in the flat
+    grad buffer."""
+    for rank, res in enumerate(results(job, f"ddp_flat-{backend}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert res["in_buffer"] == [True] * len(res["in_buffer"]) and res["in_buffer"], res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_ddp_accumulate(job, backend):
     """3 micro-batches per rank with loss / 3 == one batch of 12; DDP all-reduces only once."""
     for rank, res in enumerate(results(job, f"ddp_accumulate-{backend}")):
