@@ -142,6 +142,10 @@ def _check(params: list[torch.Tensor], grads: bool) -> None:
                     "already flattened: use the FlatParameters of that call); flattening would "
                     "move them out of it. Tie weights by using one Parameter object in both places")
             storages[key] = i
+        grad_dtype = getattr(p, "grad_dtype", p.dtype)  # newer torch: may differ from p.dtype
+        if grads and p.requires_grad and grad_dtype not in (None, p.dtype):
+            raise ValueError(f"{what} has grad_dtype {grad_dtype}; a flat grad buffer holds grads "
+                             "of their param's dtype (flatten with grads=False)")
         g = p.grad
         if grads and g is not None:
             if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
@@ -175,7 +179,8 @@ def flatten_parameters(params, *, grads: bool = True) -> FlatParameters:
     Raises ``ValueError``, changing nothing, for params that share a storage (views of one tensor,
     params flattened before: flattening would move them out of it; a param given twice is
     flattened once), DTensors, sparse or non-leaf tensors, layouts with gaps or overlaps, meta
-    tensors, and grads whose shape, dtype or device differ from their param's.
+    tensors, and grads (or a ``grad_dtype``) whose shape, dtype or device differ from their
+    param's.
     """
     ps = _unique_params(params)
     _check(ps, grads)

@@ -194,6 +194,11 @@ def _with_grad(p, g):
     return [p]
 
 
+def _grad_dtype(p, dtype):
+    p.grad_dtype = dtype
+    return p
+
+
 class _Sharded(torch.Tensor):
     """Stands in for a DTensor: flatten_parameters refuses anything with ``to_local``."""
 
@@ -220,6 +225,8 @@ BAD = {
                    ValueError, "grad of shape"),
     "sparse grad": (lambda: _with_grad(torch.nn.Parameter(torch.randn(3)), torch.randn(3).to_sparse()),
                     ValueError, "sparse_coo grad"),
+    "grad_dtype": (lambda: [_grad_dtype(torch.nn.Parameter(torch.randn(3)), torch.bfloat16)],
+                   ValueError, "grad_dtype torch.bfloat16"),
     "not a tensor": (lambda: [torch.nn.Parameter(torch.randn(3)), 3.0], TypeError, "item 2 is a float"),
     "param group": (lambda: [{"params": [torch.nn.Parameter(torch.randn(3))]}], TypeError, "a dict"),
     "single tensor": (lambda: torch.nn.Parameter(torch.randn(3)), TypeError, "single tensor"),
