@@ -209,25 +209,31 @@ std::vector<T> read_sums(const at::Tensor& sums, int64_t n) {
   return std::vector<T>(p, p + 2 * n);
 }
 
-// Sum of squares of the n elements of x, prefetched block by block (Note [read-only prefetch]).
+// Sum of squares of the n elements of x, prefetched block by block, on into the next_bytes at
+// next (Note [read-only prefetch]).
 template <typename S>
-FUSEDOPT_INLINE double sq_sum(const S* __restrict__ x, int64_t n) {
+FUSEDOPT_INLINE double sq_sum(const S* __restrict__ x, int64_t n, const void* next,
+                              int64_t next_bytes) {
   SqSum acc;
   for (int64_t b = 0; b < n; b += kBlock) {
-    prefetch_block(x, b, n);
+    prefetch_block(x, b, n, next, next_bytes);
     acc.add(x + b, std::min(kBlock, n - b));
   }
   return acc.total();
 }
 
 // The same for elements [offset, offset + n) of a tensor of a supported dtype.
-FUSEDOPT_INLINE double sq_sum(at::ScalarType dtype, const void* data, int64_t offset,
-                              int64_t n) {
+FUSEDOPT_INLINE double sq_sum(at::ScalarType dtype, const void* data, int64_t offset, int64_t n,
+                              const void* next, int64_t next_bytes) {
   switch (dtype) {
-    case at::kFloat: return sq_sum(static_cast<const float*>(data) + offset, n);
-    case at::kDouble: return sq_sum(static_cast<const double*>(data) + offset, n);
-    case at::kBFloat16: return sq_sum(static_cast<const c10::BFloat16*>(data) + offset, n);
-    case at::kHalf: return sq_sum(static_cast<const c10::Half*>(data) + offset, n);
+    case at::kFloat:
+      return sq_sum(static_cast<const float*>(data) + offset, n, next, next_bytes);
+    case at::kDouble:
+      return sq_sum(static_cast<const double*>(data) + offset, n, next, next_bytes);
+    case at::kBFloat16:
+      return sq_sum(static_cast<const c10::BFloat16*>(data) + offset, n, next, next_bytes);
+    case at::kHalf:
+      return sq_sum(static_cast<const c10::Half*>(data) + offset, n, next, next_bytes);
     default: return 0.0;
   }
 }
@@ -293,14 +299,15 @@ template <bool kCombined, typename W, typename G, typename T>
 FUSEDOPT_INLINE void lars_pass1_chunk(
     const W* __restrict__ w,  // weights, read
     const G* __restrict__ g,  // gradient, read as g * gm
-    int64_t n, const T gm, const T lambda, double* out) {
+    int64_t n, const T gm, const T lambda, double* out,
+    const W* w_next, const G* g_next, int64_t n_next) {  // the next chunk's (prefetched)
   alignas(64) T wb[kBlock];
   alignas(64) T gb[kBlock];
   SqSum w_sq, g_sq;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
-    prefetch_block(w, b, n);  // Note [read-only prefetch]
-    prefetch_block(g, b, n);
+    prefetch_block(w, b, n, w_next, n_next * int64_t(sizeof(W)));  // Note [read-only prefetch]
+    prefetch_block(g, b, n, g_next, n_next * int64_t(sizeof(G)));
     for (int64_t k = 0; k < len; ++k) {
       const T wk = static_cast<T>(w[b + k]);
       const T gk = static_cast<T>(g[b + k]) * gm;
@@ -508,8 +515,10 @@ namespace {
 // The frame both pass 1s share: the step counts advanced, the weights' and grads' dtypes
 // dispatched, one parallel region in which chunk c writes its two partial sums to
 // partial[2c, 2c + 1], and the per-tensor sums [n, 2]. make(TypeTag<W>, TypeTag<G>, t) returns the
-// chunk function f(tensor, w, g, offset, len, out), w and g already offset to the chunk; f must
-// be force-inlined (FUSEDOPT_INLINE_LAMBDA) so that it is compiled into each ISA clone.
+// chunk function f(tensor, w, g, offset, len, out, w_next, g_next, n_next), w and g already offset
+// to the chunk, *_next the next chunk's (n_next elements; for prefetching, Note [read-only
+// prefetch]); f must be force-inlined (FUSEDOPT_INLINE_LAMBDA) so that it is compiled into each
+// ISA clone.
 template <typename Make>
 at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
                      at::ScalarType g_dtype, const Make& make) {
@@ -524,10 +533,20 @@ at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grad
       const auto f = make(w_tag, g_tag, t);
       void* const* wp = d.weights.data();
       const void* const* gp = grads.data();
+      const int64_t chunks = d.table.size();
       d.table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
+        const W* w_next = nullptr;
+        const G* g_next = nullptr;
+        int64_t n_next = 0;
+        if (c + 1 < chunks) {
+          const Chunk& nx = d.table.chunk(c + 1);
+          w_next = static_cast<const W*>(wp[nx.tensor]) + nx.offset;
+          g_next = static_cast<const G*>(gp[nx.tensor]) + nx.offset;
+          n_next = nx.len;
+        }
         f(i, static_cast<const W*>(wp[i]) + o, static_cast<const G*>(gp[i]) + o, o, ch.len,
-          &partial[2 * c]);
+          &partial[2 * c], w_next, g_next, n_next);
       });
       sums = finish_sums<T>(d.table, partial, d.size());
     });
@@ -545,8 +564,8 @@ at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>&
     void* const* mp = d.state_a.data();
     void* const* vp = d.state_b.data();
     return [coef = lamb_coefs<T>(h, t), gm = grad_multiplier<T>(grad_mult), mp, vp](
-               int64_t i, const W* w, const G* g, int64_t o, int64_t len,
-               double* out) FUSEDOPT_INLINE_LAMBDA {
+               int64_t i, const W* w, const G* g, int64_t o, int64_t len, double* out,
+               const W*, const G*, int64_t) FUSEDOPT_INLINE_LAMBDA {
       lamb_pass1_chunk<W, G, T>(w, g, static_cast<T*>(mp[i]) + o, static_cast<T*>(vp[i]) + o, len,
                                 coef[i], gm, out);
     };
@@ -592,11 +611,12 @@ at::Tensor run_lars_pass1(const CheckedLists& d, const std::vector<const void*>&
     using T = ComputeT<W>;
     return [gm = grad_multiplier<T>(grad_mult), lambda = static_cast<T>(h.weight_decay),
             combined = h.combined](int64_t, const W* w, const G* g, int64_t, int64_t len,
-                                   double* out) FUSEDOPT_INLINE_LAMBDA {
+                                   double* out, const W* w_next, const G* g_next,
+                                   int64_t n_next) FUSEDOPT_INLINE_LAMBDA {
       if (combined) {
-        lars_pass1_chunk<true, W, G, T>(w, g, len, gm, lambda, out);
+        lars_pass1_chunk<true, W, G, T>(w, g, len, gm, lambda, out, w_next, g_next, n_next);
       } else {
-        lars_pass1_chunk<false, W, G, T>(w, g, len, gm, lambda, out);
+        lars_pass1_chunk<false, W, G, T>(w, g, len, gm, lambda, out, w_next, g_next, n_next);
       }
     };
   });
@@ -661,8 +681,17 @@ at::Tensor sq_norms(at::TensorList tensors) {
     ptrs[i] = dense[i].const_data_ptr();
     dispatch_storage(dtypes[i], "sq_norms inputs", [](auto) {});  // rejects other dtypes
   }
+  const int64_t chunks = table.size();
   table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
-    partial[c] = sq_sum(dtypes[ch.tensor], ptrs[ch.tensor], ch.offset, ch.len);
+    const void* next = nullptr;
+    int64_t next_bytes = 0;
+    if (c + 1 < chunks) {  // Note [read-only prefetch]
+      const Chunk& nx = table.chunk(c + 1);
+      const int64_t size = static_cast<int64_t>(c10::elementSize(dtypes[nx.tensor]));
+      next = static_cast<const char*>(ptrs[nx.tensor]) + nx.offset * size;
+      next_bytes = nx.len * size;
+    }
+    partial[c] = sq_sum(dtypes[ch.tensor], ptrs[ch.tensor], ch.offset, ch.len, next, next_bytes);
   });
   at::Tensor out = at::empty({n}, at::dtype(any_double ? at::kDouble : at::kFloat));
   if (any_double) {
