@@ -36,7 +36,10 @@ def _aligned_offsets(numels: list[int], dtype: torch.dtype, align_bytes: int = 6
 
 
 def _dense_layout(t: torch.Tensor) -> bool:
-    """True if the elements of ``t`` fill its storage span exactly once (any dim order)."""
+    """True if the elements of ``t`` fill its storage span exactly once (any dim order); a tensor
+    without elements has nothing to fill."""
+    if t.numel() == 0:
+        return True
     dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
     expected = 1
     for st, sz in dims:

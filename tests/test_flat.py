@@ -6,6 +6,8 @@ import io
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fusedopt
 
@@ -251,3 +253,54 @@ def test_bad_input_raises_and_changes_nothing(case):
         assert grad(t) is g
         if ptr is not None:
             assert t.data_ptr() == ptr and torch.equal(t, value)
+
+
+# ------------------------------------------------------------------------------ properties
+_layouts = st.lists(
+    st.tuples(st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple),  # shape
+              st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+              st.randoms(use_true_random=False),  # a permutation of the dims (dense layout)
+              st.booleans(),  # has a grad
+              st.booleans()),  # requires grad
+    min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_layouts)
+def test_property_any_dense_layouts(specs):
+    """Random shapes, dtypes, dim orders and grads: every param keeps its values, shape, strides
+    and grad; no two slots overlap; each slot starts on a 64-byte boundary."""
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for shape, dtype, rnd, has_grad, requires_grad in specs:
+        order = list(range(len(shape)))
+        rnd.shuffle(order)
+        base = torch.randn([shape[d] for d in order], generator=g).to(dtype)
+        inverse = [order.index(d) for d in range(len(shape))]
+        p = torch.nn.Parameter(base.permute(inverse), requires_grad=requires_grad)  # dense, any order
+        if has_grad and requires_grad:
+            p.grad = torch.randn(shape, generator=g).to(dtype)
+        params.append(p)
+    before = [(p.detach().clone(), p.stride(), None if p.grad is None else p.grad.clone())
+              for p in params]
+    flat = fusedopt.flatten_parameters(params)
+    for p, (w, stride, grad) in zip(params, before):
+        assert torch.equal(p, w) and p.stride() == stride
+        assert p.storage_offset() * p.element_size() % 64 == 0
+        if p.requires_grad:
+            assert p.grad.stride() == stride and p.grad.storage_offset() == p.storage_offset()
+            assert torch.equal(p.grad, grad) if grad is not None else not p.grad.any()
+        else:
+            assert p.grad is None
+    with torch.no_grad():  # no overlap: each slot filled with its own index survives the others
+        for i, p in enumerate(params):
+            p.fill_(i + 1)
+            if p.grad is not None:
+                p.grad.fill_(-(i + 1))
+    for i, p in enumerate(params):
+        assert bool((p == i + 1).all())
+        assert p.grad is None or bool((p.grad == -(i + 1)).all())
+    for (device, dtype), buffer in flat.buffers.items():
+        members = [p for p in params if p.dtype == dtype]
+        assert all(p.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                   for p in members)
