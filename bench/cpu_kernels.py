@@ -69,7 +69,7 @@ def bench_set(label, shapes, rounds, eager):
     rows.update(slow)
     results = [Result(k, rows[k][0], t) for k, t in times.items()]
     print_table(label, len(shapes), numel, results)
-    # for the joint rounds of both sets: the rows with a bytes model, but the slow phase's
+    # for the joint rounds of both sets: the rows with a bytes model, but not the slow phase's
     joint = {k: fn for k, (nbytes, fn) in rows.items() if nbytes and k not in slow}
     return {r.name: r.median for r in results}, numel, joint
 

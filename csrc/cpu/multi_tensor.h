@@ -65,10 +65,10 @@ constexpr int64_t kBlock = 256;
 constexpr int kLanes = 32;
 
 // Note [read-only prefetch]: the passes that only read (LARS pass 1, sq_norms) prefetch each stream
-// kPrefetchBytes ahead, one block at a time, across the end of a chunk into the next chunk (the
-// next tensor's first bytes: without that, each small tensor began with 2 KB not prefetched, and
-// a LARS step over 4000 tensors of 2,500 elements took 3-5% longer, in-process A/B). With no stores to overlap, hardware prefetching
-// alone left such passes at ~13 GB/s on a 2-core machine where in-place passes reach ~35 GB/s;
+// kPrefetchBytes ahead, one block at a time, across the end of a chunk into the next chunk
+// (ChunkTable::next: the next tensor's first bytes; without that each small tensor began with
+// 2 KB not prefetched, and a LARS step over 4000 tensors of 2,500 elements took 3-4% longer,
+// alternating processes). With no stores to overlap, hardware prefetching alone left such passes at ~13 GB/s on a 2-core machine where in-place passes reach ~35 GB/s;
 // software prefetch brought LARS pass 1 to ~20 GB/s. The passes that write do not prefetch: it
 // slowed them down there.
 constexpr int64_t kPrefetchBytes = 2048;
@@ -228,7 +228,8 @@ class ChunkTable {
   }
 
   int64_t size() const { return static_cast<int64_t>(chunks_.size()); }
-  const Chunk& chunk(int64_t c) const { return chunks_[c]; }
+  // The chunk after chunk c, or nullptr after the last (for prefetching: Note [read-only prefetch]).
+  const Chunk* next(int64_t c) const { return c + 1 < size() ? &chunks_[c + 1] : nullptr; }
   int64_t tensor_begin(int64_t i) const { return first_[i]; }  // chunks of tensor i:
   int64_t tensor_end(int64_t i) const { return first_[i + 1]; }  // [begin, end)
   int64_t total_elements() const { return elems_before_.back(); }

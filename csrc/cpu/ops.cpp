@@ -515,10 +515,9 @@ namespace {
 // The frame both pass 1s share: the step counts advanced, the weights' and grads' dtypes
 // dispatched, one parallel region in which chunk c writes its two partial sums to
 // partial[2c, 2c + 1], and the per-tensor sums [n, 2]. make(TypeTag<W>, TypeTag<G>, t) returns the
-// chunk function f(tensor, w, g, offset, len, out, w_next, g_next, n_next), w and g already offset
-// to the chunk, *_next the next chunk's (n_next elements; for prefetching, Note [read-only
-// prefetch]); f must be force-inlined (FUSEDOPT_INLINE_LAMBDA) so that it is compiled into each
-// ISA clone.
+// chunk function f(tensor, w, g, offset, len, out, next), w and g already offset to the chunk,
+// next the next chunk or nullptr (for prefetching, Note [read-only prefetch]); f must be
+// force-inlined (FUSEDOPT_INLINE_LAMBDA) so that it is compiled into each ISA clone.
 template <typename Make>
 at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
                      at::ScalarType g_dtype, const Make& make) {
@@ -533,20 +532,10 @@ at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grad
       const auto f = make(w_tag, g_tag, t);
       void* const* wp = d.weights.data();
       const void* const* gp = grads.data();
-      const int64_t chunks = d.table.size();
       d.table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
-        const W* w_next = nullptr;
-        const G* g_next = nullptr;
-        int64_t n_next = 0;
-        if (c + 1 < chunks) {
-          const Chunk& nx = d.table.chunk(c + 1);
-          w_next = static_cast<const W*>(wp[nx.tensor]) + nx.offset;
-          g_next = static_cast<const G*>(gp[nx.tensor]) + nx.offset;
-          n_next = nx.len;
-        }
         f(i, static_cast<const W*>(wp[i]) + o, static_cast<const G*>(gp[i]) + o, o, ch.len,
-          &partial[2 * c], w_next, g_next, n_next);
+          &partial[2 * c], d.table.next(c));
       });
       sums = finish_sums<T>(d.table, partial, d.size());
     });
@@ -565,7 +554,7 @@ at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>&
     void* const* vp = d.state_b.data();
     return [coef = lamb_coefs<T>(h, t), gm = grad_multiplier<T>(grad_mult), mp, vp](
                int64_t i, const W* w, const G* g, int64_t o, int64_t len, double* out,
-               const W*, const G*, int64_t) FUSEDOPT_INLINE_LAMBDA {
+               const Chunk*) FUSEDOPT_INLINE_LAMBDA {
       lamb_pass1_chunk<W, G, T>(w, g, static_cast<T*>(mp[i]) + o, static_cast<T*>(vp[i]) + o, len,
                                 coef[i], gm, out);
     };
@@ -610,9 +599,17 @@ at::Tensor run_lars_pass1(const CheckedLists& d, const std::vector<const void*>&
     using G = typename decltype(g_tag)::type;
     using T = ComputeT<W>;
     return [gm = grad_multiplier<T>(grad_mult), lambda = static_cast<T>(h.weight_decay),
-            combined = h.combined](int64_t, const W* w, const G* g, int64_t, int64_t len,
-                                   double* out, const W* w_next, const G* g_next,
-                                   int64_t n_next) FUSEDOPT_INLINE_LAMBDA {
+            combined = h.combined, wp = d.weights.data(), gp = grads.data()](
+               int64_t, const W* w, const G* g, int64_t, int64_t len, double* out,
+               const Chunk* next) FUSEDOPT_INLINE_LAMBDA {
+      const W* w_next = nullptr;  // Note [read-only prefetch]
+      const G* g_next = nullptr;
+      int64_t n_next = 0;
+      if (next != nullptr) {
+        w_next = static_cast<const W*>(wp[next->tensor]) + next->offset;
+        g_next = static_cast<const G*>(gp[next->tensor]) + next->offset;
+        n_next = next->len;
+      }
       if (combined) {
         lars_pass1_chunk<true, W, G, T>(w, g, len, gm, lambda, out, w_next, g_next, n_next);
       } else {
@@ -681,15 +678,13 @@ at::Tensor sq_norms(at::TensorList tensors) {
     ptrs[i] = dense[i].const_data_ptr();
     dispatch_storage(dtypes[i], "sq_norms inputs", [](auto) {});  // rejects other dtypes
   }
-  const int64_t chunks = table.size();
   table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
-    const void* next = nullptr;
+    const void* next = nullptr;  // Note [read-only prefetch]
     int64_t next_bytes = 0;
-    if (c + 1 < chunks) {  // Note [read-only prefetch]
-      const Chunk& nx = table.chunk(c + 1);
-      const int64_t size = static_cast<int64_t>(c10::elementSize(dtypes[nx.tensor]));
-      next = static_cast<const char*>(ptrs[nx.tensor]) + nx.offset * size;
-      next_bytes = nx.len * size;
+    if (const Chunk* nx = table.next(c)) {
+      const int64_t size = static_cast<int64_t>(c10::elementSize(dtypes[nx->tensor]));
+      next = static_cast<const char*>(ptrs[nx->tensor]) + nx->offset * size;
+      next_bytes = nx->len * size;
     }
     partial[c] = sq_sum(dtypes[ch.tensor], ptrs[ch.tensor], ch.offset, ch.len, next, next_bytes);
   });
