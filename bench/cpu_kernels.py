@@ -19,7 +19,7 @@ import torch
 import fusedopt
 from fusedopt.backends import get_backend
 from fusedopt.bench import (BYTES_PER_ELEMENT, YARDSTICK, Result, bert_base_shapes, interleave,
-                            joint_rounds, print_table, ratios, timm_optimizers)
+                            joint_rounds, make_params, print_table, ratios, timm_optimizers)
 
 SETS = {"bert": ("bert-base", bert_base_shapes()), "small": ("4000 x 2,500", [(2500,)] * 4000)}
 
@@ -40,10 +40,7 @@ def _passes(opt, kind):
 
 def bench_set(label, shapes, rounds, eager):
     numel = sum(torch.Size(s).numel() for s in shapes)
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    params = make_params(shapes, torch.device("cpu"))
     a, c = torch.randn(numel), torch.randn(numel)
     lamb = fusedopt.FusedLAMB(params, backend="cpp")
     lars = fusedopt.FusedLARS(params, lr=0.1, weight_decay=1e-4, backend="cpp")

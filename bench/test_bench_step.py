@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fusedopt
-from fusedopt.bench import BYTES_PER_ELEMENT, bert_base_shapes
+from fusedopt.bench import BYTES_PER_ELEMENT, bert_base_shapes, make_params
 
 SETS = {"bert2": bert_base_shapes(layers=2, vocab=4000), "small500": [(2500,)] * 500}
 OPTS = {
@@ -19,19 +19,11 @@ OPTS = {
 BACKENDS = [b for b in fusedopt.available_backends() if b in ("eager", "cpp")]
 
 
-def _params(shapes):
-    gen = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-    return ps
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", list(OPTS))
 @pytest.mark.parametrize("set_name", list(SETS))
 def test_step(benchmark, set_name, kind, backend):
-    ps = _params(SETS[set_name])
+    ps = make_params(SETS[set_name], torch.device("cpu"))
     opt = OPTS[kind](ps, backend)
     benchmark.extra_info.update(bytes_per_element=BYTES_PER_ELEMENT[kind],
                                 numel=sum(p.numel() for p in ps))
@@ -40,7 +32,7 @@ def test_step(benchmark, set_name, kind, backend):
 
 @pytest.mark.parametrize("set_name", list(SETS))
 def test_torch_adamw_fused(benchmark, set_name):
-    ps = _params(SETS[set_name])
+    ps = make_params(SETS[set_name], torch.device("cpu"))
     opt = torch.optim.AdamW(ps, fused=True)
     benchmark.extra_info.update(bytes_per_element=BYTES_PER_ELEMENT["adamw"],
                                 numel=sum(p.numel() for p in ps))
