@@ -56,6 +56,13 @@ class Bucket:
     # backend-private data kept across steps while every list but ``grads`` stays the same objects
     # (the optimizer's plan cache hands the same dict to each step's bucket); None: a one-off bucket
     persistent: dict | None = None
+    # backend-private data that lives as long as the optimizer, one dict per param group and
+    # (device, param dtype, grad dtype), whatever the lists hold; whatever a backend keeps there
+    # it validates on use (the Triton backend's pointer tables). None: a one-off bucket
+    workspace: dict | None = None
+    # the group's ``backend`` option: "auto" lets a backend that fails to compile hand the bucket
+    # to the next one (Backend.prepare)
+    requested_backend: str = "auto"
 
     @property
     def device(self) -> torch.device:
@@ -140,6 +147,30 @@ def _grad_multipliers(plan, hypers, grad_scale, reducer):
     return mults
 
 
+def _prepared(kind: str, plan, has_scale: bool, has_found_inf: bool):
+    """The plan after every backend has prepared (compiled) what this step launches, before any
+    tensor is touched. A bucket whose group asked for ``"auto"`` goes to the next backend of
+    ``backends.resolve`` when its backend fails to compile (one warning per backend, device and
+    dtypes); an explicitly requested backend raises."""
+    clip = any(h.max_grad_norm is not None for h, _ in plan)
+    out = []
+    for h, entries in plan:
+        has_gm = has_scale or h.max_grad_norm is not None
+        row = []
+        for be, b in entries:
+            while True:
+                try:
+                    be.prepare(b, kind, h, has_gm, has_found_inf, clip)
+                    break
+                except _backends.BackendCompileError as e:
+                    if b.requested_backend != "auto":
+                        raise
+                    be = _backends.fall_back(be, b, e)
+            row.append((be, b))
+        out.append((h, row))
+    return out
+
+
 def trust_ratio_step(
     kind: str,
     plan: list[tuple[LambHyper | LarsHyper, list[tuple[_backends.Backend, Bucket]]]],
@@ -156,6 +187,7 @@ def trust_ratio_step(
     plan = [(h, entries) for h, entries in plan if entries]
     if not plan:
         return
+    plan = _prepared(kind, plan, grad_scale is not None, found_inf is not None)
     hypers = [h for h, _ in plan]
     mults = _grad_multipliers(plan, hypers, grad_scale, reducer)
 

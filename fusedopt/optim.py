@@ -97,6 +97,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._plan_cache: dict[int, _GroupCache] = {}
         self._state_seen: tuple | None = None  # see _state_as_seen
         self._state_same = False
+        self._workspaces: dict[tuple, dict] = {}  # see _attach
 
     # ---------------------------------------------------------------- groups
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -122,6 +123,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._plan_cache = {}
         self._state_seen = None
         self._state_same = False
+        self._workspaces = {}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -313,7 +315,8 @@ class _TrustRatioOptimizer(Optimizer):
         record = any(s[-1] for s in staged)
         for gi, ((group, ps, lps, lgs, keys, sharded), resolved) in enumerate(zip(staged, backends_of)):
             if isinstance(ps, _GroupCache):
-                b = Bucket(grads=lgs, persistent=ps.persistent, **ps.lists)
+                b = self._attach(gi, group, Bucket(grads=lgs, persistent=ps.persistent, **ps.lists),
+                                 ps.g_dtype)
                 if record:
                     self._bucket_params[id(b)] = ps.params
                 plan.append((self._hyper(group), [(ps.backend, b)]))
@@ -328,8 +331,9 @@ class _TrustRatioOptimizer(Optimizer):
             else:
                 for i, k in enumerate(keys):
                     by_key.setdefault(k, []).append(i)
-            entries = [(resolved[k], self._bucket(group, [lps[i] for i in idx], [lgs[i] for i in idx],
-                                                  [states[i] for i in idx], sharded))
+            entries = [(resolved[k], self._attach(gi, group, self._bucket(
+                            group, [lps[i] for i in idx], [lgs[i] for i in idx],
+                            [states[i] for i in idx], sharded), k[2]))
                        for k, idx in by_key.items() if k is not None]
             if record:
                 for (_, b), idx in zip(entries, [ix for k, ix in by_key.items() if k is not None]):
@@ -338,6 +342,13 @@ class _TrustRatioOptimizer(Optimizer):
                 self._remember(gi, group, ps, states, *entries[0])
             plan.append((self._hyper(group), entries))
         return plan
+
+    def _attach(self, gi: int, group, b: Bucket, grad_dtype: torch.dtype) -> Bucket:
+        """Give ``b`` its group's backend request and its workspace: one dict per param group and
+        (device, param dtype, grad dtype), kept as long as the optimizer (Bucket.workspace)."""
+        b.requested_backend = group["backend"]
+        b.workspace = self._workspaces.setdefault((gi, b.device, b.param_dtype, grad_dtype), {})
+        return b
 
     def _bucket(self, group, ps, gs, states, sharded: bool) -> Bucket:
         """A Bucket of one (device, param dtype, grad dtype), with contiguous stand-ins (written

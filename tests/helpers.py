@@ -142,3 +142,45 @@ def backend_params(names=("eager", "cpp", "triton")):
             why = be.unavailable_reason(torch.device("cpu"), torch.float32, torch.float32)
         out.append(pytest.param(n, id=n, marks=pytest.mark.skipif(why is not None, reason=str(why))))
     return out
+
+
+def nan_rule_runs(backend, device="cpu"):
+    """Note [NaN propagation] (csrc/fusedopt/math.h): a NaN norm gives a NaN trust ratio, and the
+    bounds keep it NaN. Two steps of one backend whose first param makes a norm NaN; returns
+    ``{case: (params after the step, float64 reference of the second param)}``.
+
+    * ``lamb_bounds``: a float32 weight of 1e30 overflows both ``‖w‖²`` and ``‖u‖²`` (λ > 0), so
+      ``φ = inf/inf`` is NaN, which ``trust_ratio_bounds`` keeps (a NaN-dropping clamp gives the
+      lower bound and leaves every other element finite);
+    * ``lars_clip``: a NaN gradient element makes ``‖g‖`` NaN, so the ratio is NaN, which
+      ``trust_clip`` keeps (a zero-norm test ``‖g‖ > 0`` would give 1 and a single NaN element).
+    """
+    out = {}
+    for case in ("lamb_bounds", "lars_clip"):
+        gen = torch.Generator().manual_seed(3)
+        w = [torch.randn(40, generator=gen), torch.randn(7, generator=gen)]
+        g = [torch.randn(40, generator=gen), torch.randn(7, generator=gen)]
+        if case == "lamb_bounds":
+            w[0][5] = 1e30
+            hyper = dict(trust_ratio_bounds=(0.5, 2.0), weight_decay=0.1)
+        else:
+            g[0][5] = float("nan")
+            hyper = dict(trust_clip=True, trust_coefficient=1.0, weight_decay=1e-3)
+        kind = case[:4]
+        params = [torch.nn.Parameter(x.clone().to(device)) for x in w]
+        for p, x in zip(params, g):
+            p.grad = x.to(device)
+        cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+        opt = cls(params, lr=LR[kind], backend=backend, **hyper)
+        ref = (ReferenceLAMB if kind == "lamb" else ReferenceLARS)([{**hyper, "lr": LR[kind]}])
+        ref_w = [w[1].double()]
+        opt.step()
+        ref.step([ref_w], [[g[1].double()]])
+        out[case] = ([p.detach().cpu() for p in params], ref_w[0])
+    return out
+
+
+def assert_nan_rule(runs):
+    for case, (params, ref_second) in runs.items():
+        assert torch.isnan(params[0]).all(), f"{case}: a NaN trust ratio must reach every element"
+        assert max_rel_err([params[1]], [ref_second]) <= tols(torch.float32), case

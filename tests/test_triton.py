@@ -30,7 +30,8 @@ if INTERPRETED and triton_backend.interpreter_reason() is not None:
 
 from fusedopt.kernels import tables  # noqa: E402
 from helpers import (  # noqa: E402
-    LAMB_CASES, LARS_CASES, SHAPES_SMALL, assert_within_rounding, max_rel_err, run_backend, tols,
+    LAMB_CASES, LARS_CASES, SHAPES_SMALL, assert_nan_rule, assert_within_rounding, max_rel_err,
+    nan_rule_runs, run_backend, tols,
 )
 
 import fusedopt  # noqa: E402
@@ -43,11 +44,13 @@ TINY = [(1 + i % 5,) for i in range(300)]
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    """Chunks of 2048 elements, 64 per program, tiles of 64 x 512: a 4097-element tensor spans
-    three chunks (multi-chunk norms) and four tiles per chunk, with a program for all of it."""
-    monkeypatch.setattr(tables, "CHUNK_SIZE", 2048)
-    monkeypatch.setattr(tables, "ROWS", 64)
-    monkeypatch.setattr(tables, "BLOCK_SIZE", 512)
+    """Under the interpreter: chunks of 2048 elements, 64 per program, tiles of 64 x 512 (a
+    4097-element tensor spans three chunks and four tiles per chunk, with a program for all of
+    it). On a GPU the tests run the GPU tile defaults: compiled, the interpreter's wide tiles
+    spill and take minutes per kernel to build."""
+    if INTERPRETED:
+        for name, value in tables.INTERPRETER_TILES.items():
+            monkeypatch.setattr(tables, name, value)
 
 
 def _run(kind, hyper, **kw):
@@ -151,13 +154,13 @@ def test_grad_scale_and_clipping_match_eager(kind):
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_found_inf_makes_the_step_a_no_op(kind):
     (fast, opt), _ = _scaled_pair(kind, {}, 8.0, [0.0])
-    before = {k: v.clone() for p in fast for k, v in opt.state[p].items()}
+    before = {(i, k): v.clone() for i, p in enumerate(fast) for k, v in opt.state[p].items()}
     weights = [p.detach().clone() for p in fast]
     for p in fast:
         p.grad = torch.full_like(p, float("inf"))
     opt.found_inf = torch.tensor(1.0, device=DEVICE)
     opt.step()
-    after = {k: v for p in fast for k, v in opt.state[p].items()}
+    after = {(i, k): v for i, p in enumerate(fast) for k, v in opt.state[p].items()}
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(w, p.detach()) for w, p in zip(weights, fast))
     assert all(opt.state[p]["step"].item() == 1.0 for p in fast)
@@ -195,20 +198,140 @@ def test_split_beyond_the_tensor_limit(monkeypatch):
     assert max_rel_err(params, ref) <= tols(torch.float32)
 
 
-def test_tables_are_cached_while_pointers_stay():
-    tables.clear_cache()
-    _, _, opt = _run("lars", {}, steps=1)
-    size = len(tables._cache)
-    params = [p for g in opt.param_groups for p in g["params"]]
+def _groups_opt(kind, n_groups, **hyper):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, generator=gen).to(DEVICE)) for _ in range(2 * n_groups)]
+    groups = [{"params": params[2 * i:2 * i + 2], "lr": 0.01 * (i + 1)} for i in range(n_groups)]
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    return params, cls(groups, lr=0.1, backend="triton", **hyper)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_no_table_is_built_after_the_first_step(kind):
+    """40 groups with clipping (two tables per bucket: the passes and the grads' norms): after
+    the first step, steps with the same tensors build nothing (Note [table ownership])."""
+    params, opt = _groups_opt(kind, 40, max_grad_norm=1.0)
     for p in params:
-        p.grad = torch.randn_like(p)  # new grad tensors: new pointers, new tables
+        p.grad = torch.randn_like(p)
     opt.step()
-    grown = len(tables._cache)
-    assert grown > size
-    for p in params:
-        p.grad.normal_()  # same tensors: the tables are reused
+    before = tables.build_count()
+    for _ in range(3):
+        for p in params:
+            p.grad.normal_()  # same grad tensors: same pointers
+        opt.step()
+    assert tables.build_count() == before
+    for p in params[:2]:
+        p.grad = torch.randn_like(p)  # new grads in the first group: its two tables are rebuilt
     opt.step()
-    assert len(tables._cache) == grown
+    assert tables.build_count() == before + 2
+
+
+def test_table_upload_never_blocks_the_host(monkeypatch):
+    """A table goes to a CUDA device from pinned memory with a non-blocking copy (mocked here:
+    the copy is the only CUDA call of a build)."""
+    calls = []
+
+    def fake_pin(self):
+        calls.append("pin")
+        return self
+
+    def fake_to(self, *args, **kwargs):
+        calls.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    device, pinned = tables._upload(torch.zeros(4, dtype=torch.int64), torch.device("cuda", 1))
+    assert calls == ["pin", ("to", "cuda:1", True)]
+    assert pinned is not None  # kept alive with the table until the copy has run
+
+
+def test_launch_runs_under_the_tables_device(monkeypatch):
+    """Note [device guard]: each launch runs with its table's device current (so Triton picks
+    that device's current stream); mocked here, as no CUDA device exists."""
+    current = ["cuda:0"]
+    seen = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def __enter__(self):
+            self.saved, current[0] = current[0], str(self.device)
+
+        def __exit__(self, *exc):
+            current[0] = self.saved
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda **kw: seen.append((current[0], grid, "stream" in kw))
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    table = tables.Table(device=torch.device("cuda", 1), n=1, num_chunks=1, num_programs=3,
+                         records=None, owner=None, counters=None, aligned=True)
+    tables.launch(Kernel(), table, CHUNK=4)
+    assert seen == [("cuda:1", (3,), False)]
+    assert current == ["cuda:0"]
+
+
+def test_failed_launch_names_the_kernel_and_resets_the_counters():
+    be = TritonBackend()
+    x = [torch.ones(5, device=DEVICE)]
+    table = tables.tables([x])[0]
+    table.counters.fill_(7)  # as a launch that stopped half-way could leave them
+
+    def sq_norms_kernel():
+        pass
+
+    class Broken:  # a JITFunction's shape: .fn, and [grid](**kwargs) launches
+        fn = staticmethod(sq_norms_kernel)
+
+        def __getitem__(self, grid):
+            def run(**kw):
+                raise ValueError("boom")
+            return run
+
+    with pytest.raises(tables.KernelError, match=r"sq_norms_kernel.*ALIGNED=True.*boom"):
+        tables.launch(Broken(), table, ALIGNED=True, CHUNK=2048)
+    assert int(table.counters.abs().sum()) == 0
+    assert torch.equal(be.sq_norms(x), torch.tensor([5.0], device=DEVICE))
+
+
+def test_capture_never_builds_a_table(monkeypatch):
+    """During CUDA-graph capture a table that would have to be built raises (its buffers must
+    exist before the capture); the tables a bucket already owns are used as they are."""
+    store = tables.TableStore()
+    xs = [torch.ones(3, device=DEVICE)]
+    built = tables.tables([xs], store)
+    monkeypatch.setattr(tables, "capturing", lambda device: True)
+    assert tables.tables([xs], store) is built
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        tables.tables([[torch.ones(4, device=DEVICE)]], store)
+
+
+def test_alignment_is_decided_per_tensor(monkeypatch):
+    """Note [per-tensor alignment]: a misaligned neighbour gets its own launch; the aligned
+    tensors keep the vector path and their sums stay bit-identical."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(s, generator=gen).to(DEVICE) for s in [(4097,), (33,), (2048,)]]
+    odd = torch.randn(101, generator=gen).to(DEVICE)[1:]  # 4 bytes past a 16-byte boundary
+    assert odd.data_ptr() % 16 != 0 and all(x.data_ptr() % 16 == 0 for x in xs)
+    flags = []
+    real = tables.launch
+
+    def spy(kernel, table, **kw):
+        flags.append((table.n, kw["ALIGNED"]))
+        real(kernel, table, **kw)
+
+    monkeypatch.setattr(tables, "launch", spy)
+    be = TritonBackend()
+    alone = be.sq_norms(xs)
+    assert flags == [(3, True)]
+    flags.clear()
+    mixed = be.sq_norms([xs[0], odd, xs[1], xs[2]])
+    assert sorted(flags) == [(1, False), (3, True)]
+    assert torch.equal(mixed[[0, 2, 3]], alone)
+    torch.testing.assert_close(mixed[1], (odd.double() ** 2).sum().float(), rtol=1e-6, atol=0)
 
 
 def test_norms_are_deterministic_and_independent_of_rows(monkeypatch):
@@ -232,6 +355,77 @@ def test_sq_norms(dtype):
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     expect = torch.stack([(x.double() ** 2).sum() for x in xs]).to(out.dtype)
     torch.testing.assert_close(out, expect, rtol=1e-6 if dtype != torch.float64 else 1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------ NaN rule
+def test_nan_norms_give_nan_trust_ratios():
+    """Note [NaN propagation]: as on eager and cpp (tests/test_nan_rule.py). The interpreter's
+    tl.maximum keeps NaN where the compiled one does not, so the kernels' clamps are also checked
+    compiled (tests/test_triton_compile.py)."""
+    assert_nan_rule(nan_rule_runs("triton", DEVICE))
+
+
+# ------------------------------------------------------------------ compile failures
+def _lamb_opt(backend):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES_SMALL]
+    return params, fusedopt.FusedLAMB(params, lr=0.01, backend=backend, max_grad_norm=1.0)
+
+
+def _set_grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+
+
+@pytest.fixture
+def broken_pass2(monkeypatch):
+    """lamb_pass2_kernel fails to compile (as a ptxas error would), for every specialization."""
+    from fusedopt import backends
+    from fusedopt.kernels import lamb as klamb
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("PTXAS error: injected")
+
+    monkeypatch.setattr(klamb.lamb_pass2_kernel, "warmup", fail)
+    monkeypatch.setattr(backends.get_backend("triton"), "_compiled", set())
+    monkeypatch.setattr(backends, "_broken", {})
+    monkeypatch.setitem(backends._AUTO_ORDER, DEVICE, ("triton", "eager"))
+
+
+def test_auto_falls_back_with_one_warning_when_a_kernel_does_not_compile(broken_pass2):
+    params, opt = _lamb_opt("auto")
+    eager_params, eager = _lamb_opt("eager")
+    with pytest.warns(RuntimeWarning) as caught:
+        for seed in (1, 2):
+            _set_grads(params, seed)
+            _set_grads(eager_params, seed)
+            opt.step()
+            eager.step()
+    messages = [str(w.message) for w in caught if "falls back" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert all(s in messages[0] for s in ("triton", "lamb_pass2_kernel", "HAS_MASTER=False",
+                                          "PTXAS error: injected", "'eager'"))
+    # every step, the first included, was done by eager: nothing ran half on triton
+    assert all(torch.equal(p, q) for p, q in zip(params, eager_params))
+
+
+def test_explicit_backend_raises_on_a_compile_failure_and_changes_nothing(monkeypatch):
+    params, opt = _lamb_opt("triton")
+    _set_grads(params, 1)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    _set_grads(params, 2)
+    from fusedopt import backends
+    from fusedopt.kernels import lamb as klamb
+    monkeypatch.setattr(backends.get_backend("triton"), "_compiled", set())
+    monkeypatch.setattr(klamb.lamb_pass2_kernel, "warmup",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(backends.BackendCompileError, match="lamb_pass2_kernel.*injected"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, params))
+    assert all(torch.equal(st[k], v) for st, p in zip(state, params) for k, v in opt.state[p].items())
 
 
 # -------------------------------------------------------------------------- availability

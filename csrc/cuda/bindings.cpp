@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -157,8 +158,28 @@ void check_supported(const BucketPtrs& b) {
               kWho, "bfloat16/float16 params need grads of their own dtype or float32");
 }
 
-void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, kWho, op, " failed: ", cudaGetErrorString(err));
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat64: return "float64";
+  }
+  return "?";
+}
+
+// The kernel template a bucket dispatches to, for error messages.
+std::string specialization(const BucketPtrs& b) {
+  std::string s = std::string("(weights ") + dtype_name(b.weight_dtype);
+  if (b.grads != nullptr) s += std::string(", grads ") + dtype_name(b.grad_dtype);
+  if (b.params != nullptr) s += std::string(", params ") + dtype_name(b.param_dtype);
+  return s + ", " + std::to_string(b.n) + " tensors)";
+}
+
+// A launcher's error, naming the backend, the operator (and so its kernels) and the specialization.
+void check_launch(cudaError_t err, const char* op, const std::string& spec) {
+  TORCH_CHECK(err == cudaSuccess, kWho, op, " failed for the specialization ", spec, ": ",
+              cudaGetErrorString(err));
 }
 
 // The [n, 2] sums given to pass 2, as a dense tensor of the compute dtype on the device.
@@ -184,7 +205,8 @@ at::Tensor run_pass1(const Pointers& p, at::ScalarType compute, c10::Device devi
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor sums = at::empty({p.b.n, 2}, like.options().dtype(compute));
   at::Tensor partials = workspace(p.b.n, p.b.numel, 2, sums, compute);
-  check_launch(launch(sums.data_ptr(), partials.data_ptr(), c10::cuda::getCurrentCUDAStream()), op);
+  check_launch(launch(sums.data_ptr(), partials.data_ptr(), c10::cuda::getCurrentCUDAStream()), op,
+               specialization(p.b));
   return sums;
 }
 
@@ -196,7 +218,8 @@ void run_pass2(const Pointers& p, const at::Tensor& sums, at::ScalarType compute
   check_supported(p.b);
   const c10::cuda::CUDAGuard guard(device);
   const at::Tensor s2 = sums_arg(sums, p.b.n, compute, device);
-  check_launch(launch(s2.const_data_ptr(), c10::cuda::getCurrentCUDAStream()), op);
+  check_launch(launch(s2.const_data_ptr(), c10::cuda::getCurrentCUDAStream()), op,
+               specialization(p.b));
 }
 
 }  // namespace
@@ -229,7 +252,8 @@ at::Tensor sq_norms(at::TensorList tensors) {
   check_launch(launch_sq_norms(n, numel.data(), data.data(), to_dtype(dtype, "sq_norms inputs"),
                                out.data_ptr(), partials.data_ptr(),
                                c10::cuda::getCurrentCUDAStream()),
-               "sq_norms");
+               "sq_norms", std::string("(") + c10::toString(dtype) + ", " + std::to_string(n) +
+                               " tensors)");
   return out;
 }
 

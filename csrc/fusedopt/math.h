@@ -52,9 +52,15 @@ FUSEDOPT_HD double bias_correction(double beta, double t) { return 1.0 - pow(bet
 // Note [zero-norm rule]: a trust ratio is exactly 1 when |w| or the other norm of its formula
 // (|u| for LAMB, the gradient norm for LARS) is 0; weight decay is still applied. Every trust
 // ratio goes through this function.
+//
+// Note [NaN propagation]: a NaN norm gives a NaN trust ratio, and the bounds (LAMB's
+// trust_ratio_bounds, LARS's trust_clip) keep a NaN ratio NaN, as torch.clamp does: an inf or
+// NaN in a weight or gradient shows in the whole tensor's update instead of being hidden by a
+// ratio of 1 or a bound. Every backend writes the test and the clamps as comparisons that are
+// false for NaN (the Triton kernels too, whose tl.minimum/tl.maximum would drop it).
 template <typename T>
 FUSEDOPT_HD T zero_norm_rule(T w_norm, T other_norm, T ratio) {
-  return (w_norm > T(0) && other_norm > T(0)) ? ratio : T(1);
+  return (w_norm == T(0) || other_norm == T(0)) ? T(1) : ratio;
 }
 
 // ---------------------------------------------------------------------------------------- LAMB

@@ -36,10 +36,22 @@ if TYPE_CHECKING:
     from .._hyper import LambHyper, LarsHyper
 
 
+class BackendCompileError(RuntimeError):
+    """A backend could not compile a kernel it needs for a step (raised by ``Backend.prepare``,
+    before anything is modified). ``str()`` names the backend, the kernel and its specialization."""
+
+
 class Backend:
     """Interface every backend implements (see the module docstring)."""
 
     name: str = ""
+
+    def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
+                clip: bool) -> None:
+        """Called for every bucket of a step before any pass runs: make ready (compile) whatever
+        the step's passes will launch for ``b``, or raise :class:`BackendCompileError` with
+        nothing modified. ``kind`` is "lamb" or "lars"; ``clip``: the step computes the grads'
+        norms (global clipping). Backends without a compile step keep this no-op."""
 
     def unavailable_reason(self, device: torch.device, param_dtype: torch.dtype,
                            grad_dtype: torch.dtype) -> str | None:
@@ -121,11 +133,37 @@ def load_error(name: str) -> str | None:
     return _load_errors.get(name)
 
 
+# (backend name, device type, param dtype, grad dtype) whose kernels failed to compile in this
+# process: backend="auto" skips them (fall_back)
+_broken: dict[tuple, str] = {}
+
+
+def fall_back(failed: Backend, b: Bucket, error: BaseException) -> Backend:
+    """The backend that takes over ``b`` after ``failed`` could not compile for it (``"auto"``
+    only): the next one of ``resolve``, with one warning per backend, device type and dtypes."""
+    import warnings
+
+    key = (failed.name, b.device.type, b.param_dtype, b.grad_dtype)
+    if failed.name == "eager":
+        raise error  # nothing left to fall back to
+    first = key not in _broken
+    _broken[key] = str(error)
+    nxt = resolve("auto", b.device, b.param_dtype, b.grad_dtype)
+    if first:
+        warnings.warn(f"{error}; backend='auto' falls back from {failed.name!r} to {nxt.name!r} "
+                      f"for {b.device.type} params of dtype {b.param_dtype} with grads of dtype "
+                      f"{b.grad_dtype} in this process", RuntimeWarning, stacklevel=4)
+    return nxt
+
+
 def resolve(requested: str, device: torch.device, param_dtype: torch.dtype,
             grad_dtype: torch.dtype) -> Backend:
-    """Pick the backend for one bucket. ``"auto"`` falls back quietly; an explicit name raises."""
+    """Pick the backend for one bucket. ``"auto"`` falls back quietly (past a backend whose
+    kernels failed to compile for these dtypes in this process); an explicit name raises."""
     if requested == "auto":
         for name in _AUTO_ORDER.get(device.type, ("eager",)):
+            if (name, device.type, param_dtype, grad_dtype) in _broken:
+                continue
             b = get_backend(name)
             if b is not None and b.unavailable_reason(device, param_dtype, grad_dtype) is None:
                 return b

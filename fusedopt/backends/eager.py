@@ -16,8 +16,9 @@ from .._hyper import LambHyper, LarsHyper
 
 def zero_norm_rule(w_norm: torch.Tensor, other_norm: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """SPEC's zero-norm rule: the trust ratio is exactly 1 where ``‖w‖`` or the other norm of its
-    formula (``‖u‖`` for LAMB, the gradient norm for LARS) is 0."""
-    return torch.where((w_norm > 0) & (other_norm > 0), ratio, torch.ones_like(ratio))
+    formula (``‖u‖`` for LAMB, the gradient norm for LARS) is 0; a NaN norm gives a NaN ratio
+    (Note [NaN propagation] in csrc/fusedopt/math.h; ``clamp`` keeps NaN too)."""
+    return torch.where((w_norm == 0) | (other_norm == 0), torch.ones_like(ratio), ratio)
 
 
 def lamb_trust_ratio(w_sq: torch.Tensor, u_sq: torch.Tensor, h: LambHyper) -> torch.Tensor:

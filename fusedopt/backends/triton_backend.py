@@ -2,9 +2,12 @@
 
 Launches per ``step()`` for one bucket (one param group, device and dtype), whatever its number of
 tensors up to ``fusedopt.kernels.tables.MAX_TENSORS_PER_LAUNCH``: LAMB 2, LARS 2, plus 1 for
-global clipping (``sq_norms`` of the grads). Outside the launches ``step()`` makes O(1) torch
-calls per bucket (allocating ``sums``); the tables are cached (Note [table cache] in
-kernels/tables.py). Nothing is read on the host.
+global clipping (``sq_norms`` of the grads); twice that when some of its tensors are not 16-byte
+aligned (Note [per-tensor alignment] in kernels/tables.py). Outside the launches ``step()`` makes
+O(1) torch calls per bucket (allocating ``sums``); the tables live with the bucket (Note [table
+ownership]). Nothing is read on the host. Every launch runs on its bucket's device and that
+device's current stream (Note [device guard]); before the first launch of a step, ``prepare``
+compiles whatever the step needs, so a compile failure changes nothing.
 
 Dtypes: float16, bfloat16, float32 and float64 params and grads; the math runs in float32, and in
 float64 for float64 params (hyper-parameters travel as float64 kernel arguments).
@@ -74,6 +77,7 @@ class TritonBackend(Backend):
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend='triton' needs the triton package: pip install triton")
         self._k: _Kernels | None = None
+        self._compiled: set = set()  # specializations compiled by prepare()
 
     @property
     def k(self) -> _Kernels:
@@ -96,6 +100,18 @@ class TritonBackend(Backend):
         return f"Triton kernels need a CUDA device, not {device.type}"
 
     # -------------------------------------------------------------- shared
+    @staticmethod
+    def _store(b: Bucket):
+        """The bucket's TableStore (Note [table ownership] in kernels/tables.py), or None for a
+        one-off bucket."""
+        if b.workspace is None:
+            return None
+        store = b.workspace.get("triton")
+        if store is None:
+            from ..kernels.tables import TableStore
+            store = b.workspace["triton"] = TableStore()
+        return store
+
     def _structure(self, b: Bucket, table, found_inf) -> dict:
         """Table arguments and constexpr switches common to the kernels of one launch."""
         t = self.k.tables
@@ -106,34 +122,36 @@ class TritonBackend(Backend):
             ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
         )
 
-    def _pass1(self, kernel, b: Bucket, state: list, grad_mult, found_inf, **scalars) -> torch.Tensor:
-        """Launch a pass-1 kernel on every slice of the bucket; returns the ``[n, 2]`` sums."""
+    def _pass1(self, kernel, b: Bucket, state: list, grad_mult, found_inf, run=None,
+               **scalars) -> torch.Tensor:
+        """Launch a pass-1 kernel on every table of the bucket; returns the ``[n, 2]`` sums.
+        ``run`` (default ``tables.launch``) takes each launch: :meth:`prepare` compiles instead."""
         t = self.k.tables
         cd = b.compute_dtype
         sums = torch.empty(len(b.params), 2, dtype=cd, device=b.device)
-        slices = t.tables([b.params, b.grads, b.masters, *state, b.steps])
-        for start, stop, table in slices:
-            t.launch(kernel, table.num_programs,
-                     **self._structure(b, table, found_inf),
-                     partials=table.partials(cd), counters=table.counters, sums=sums[start:stop],
-                     grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
-                     G_DTYPE=self.k.dtype[b.grad_dtype], RBLOCK=t.REDUCE_BLOCK, **scalars)
-        b.scratch["slices"] = slices
+        tabs = t.tables([b.params, b.grads, b.masters, *state, b.steps], self._store(b))
+        run = run or t.launch
+        for table in tabs:
+            run(kernel, table, **self._structure(b, table, found_inf),
+                      partials=table.partials(cd), counters=table.counters, sums=sums,
+                      grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
+                      G_DTYPE=self.k.dtype[b.grad_dtype], RBLOCK=t.REDUCE_BLOCK, **scalars)
+        b.scratch["tables"] = tabs
         return sums
 
-    def _pass2(self, kernel, b: Bucket, sums: torch.Tensor, found_inf, **args) -> None:
-        t = self.k.tables
+    def _pass2(self, kernel, b: Bucket, sums: torch.Tensor, found_inf, run=None, **args) -> None:
         sums = sums.contiguous()
-        for start, stop, table in b.scratch.pop("slices"):
-            t.launch(kernel, table.num_programs, **self._structure(b, table, found_inf),
-                     sums=sums[start:stop], **args)
+        run = run or self.k.tables.launch
+        for table in b.scratch.pop("tables"):
+            run(kernel, table, **self._structure(b, table, found_inf), sums=sums, **args)
 
-    def sq_norms(self, tensors):
+    def sq_norms(self, tensors, store=None, run=None):
         """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied)."""
         tensors = list(tensors)
         if not tensors:
             return torch.zeros(0, dtype=torch.float32)
         t = self.k.tables
+        run = run or t.launch
         out_dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
         out = torch.empty(len(tensors), dtype=out_dtype, device=tensors[0].device)
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -145,16 +163,53 @@ class TritonBackend(Backend):
             cd = torch.float64 if dtype == torch.float64 else torch.float32
             part = out if len(by_dtype) == 1 and cd == out_dtype else torch.empty(
                 len(group), dtype=cd, device=out.device)
-            for start, stop, table in t.tables([group]):
-                t.launch(self.k.norms.sq_norms_kernel, table.num_programs,
-                         records=table.records, owner=table.owner, partials=table.partials(cd),
-                         counters=table.counters, sums=part[start:stop],
-                         X_DTYPE=self.k.dtype[dtype], CD=self.k.dtype[cd], ALIGNED=table.aligned,
-                         CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
-                         RBLOCK=t.REDUCE_BLOCK)
+            for table in t.tables([group], store, role=f"sq_norms:{dtype}"):
+                run(self.k.norms.sq_norms_kernel, table,
+                    records=table.records, owner=table.owner, partials=table.partials(cd),
+                    counters=table.counters, sums=part,
+                    X_DTYPE=self.k.dtype[dtype], CD=self.k.dtype[cd], ALIGNED=table.aligned,
+                    CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE, RBLOCK=t.REDUCE_BLOCK)
             if part is not out:
                 out[torch.tensor(idx, device=out.device)] = part.to(out_dtype)
         return out
+
+    def grad_sq_norms(self, b: Bucket, run=None) -> torch.Tensor:
+        return self.sq_norms(b.grads, self._store(b), run)
+
+    def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
+                clip: bool) -> None:
+        """Compile every kernel this step will launch for ``b`` before anything runs, so that a
+        compile failure leaves every tensor as it was (Backend.prepare). Each specialization is
+        compiled once per process; the check of a known one is a pass over the launch arguments."""
+        dev, cd = b.device, b.compute_dtype
+        gm = torch.ones((), dtype=cd, device=dev) if has_grad_mult else None
+        fi = torch.zeros((), dtype=torch.float32, device=dev) if has_found_inf else None
+        seen = self._compiled
+
+        def compile_once(kernel, table, **kwargs):
+            key = (kernel, dev.type, tuple((k, v) for k, v in kwargs.items() if k.isupper()),
+                   tuple(str(v.dtype) for v in kwargs.values() if isinstance(v, torch.Tensor)))
+            if key not in seen:
+                self.k.tables.compile_only(kernel, table, **kwargs)
+                seen.add(key)
+
+        try:
+            if clip:
+                self.grad_sq_norms(b, run=compile_once)
+            if kind == "lamb":
+                sums = self.lamb_pass1(b, h, gm, fi, run=compile_once)
+                self.lamb_pass2(b, h, sums, fi, run=compile_once)
+            else:
+                sums = self.lars_pass1(b, h, gm, fi, run=compile_once)
+                self.lars_pass2(b, h, sums, gm, fi, run=compile_once)
+        finally:
+            b.scratch.pop("tables", None)
+
+    @staticmethod
+    def _pass1_scalars(kind: str, h) -> dict:
+        if kind == "lamb":
+            return TritonBackend._lamb_scalars(h)
+        return dict(weight_decay=h.weight_decay, COMBINED=h.combined)
 
     # ----------------------------------------------------------------- LAMB
     @staticmethod
@@ -164,28 +219,26 @@ class TritonBackend(Backend):
                     eps=h.eps, lambda_in_u=0.0 if h.decoupled else h.weight_decay,
                     BIAS_CORRECTION=h.bias_correction)
 
-    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
+    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf, run=None):
         return self._pass1(self.k.lamb.lamb_pass1_kernel, b, [b.exp_avgs, b.exp_avg_sqs], grad_mult,
-                           found_inf, **self._lamb_scalars(h))
+                           found_inf, run, **self._pass1_scalars("lamb", h))
 
-    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
+    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf, run=None):
         self._pass2(
-            self.k.lamb.lamb_pass2_kernel, b, sums, found_inf, **self._lamb_scalars(h),
+            self.k.lamb.lamb_pass2_kernel, b, sums, found_inf, run, **self._lamb_scalars(h),
             decoupled_wd=h.weight_decay if h.decoupled else 0.0,
             ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi, ADAPT=h.adapt, BOUNDED=h.bounded,
             **_lr_args(h.lr, b.device),
         )
 
     # ----------------------------------------------------------------- LARS
-    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
-        return self._pass1(
-            self.k.lars.lars_pass1_kernel, b, [b.momentum_buffers, None], grad_mult, found_inf,
-            weight_decay=h.weight_decay, COMBINED=h.combined,
-        )
+    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf, run=None):
+        return self._pass1(self.k.lars.lars_pass1_kernel, b, [b.momentum_buffers, None], grad_mult,
+                           found_inf, run, **self._pass1_scalars("lars", h))
 
-    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
+    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf, run=None):
         self._pass2(
-            self.k.lars.lars_pass2_kernel, b, sums, found_inf,
+            self.k.lars.lars_pass2_kernel, b, sums, found_inf, run,
             grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
             G_DTYPE=self.k.dtype[b.grad_dtype],
             momentum=h.momentum, one_minus_dampening=1.0 - h.dampening,

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from .math import lamb_apply, lamb_coef, lamb_direction, lamb_moments, lamb_trust_ratio
 from .norms import (
-    GRAD, MASTER, PARAM, STATE0, STATE1, STEP, chunks_of, finish_rows, grad_multiplier, load_tile,
-    masked_sq, round_to, tensor_ptrs,
+    GRAD, MASTER, OUT, PARAM, STATE0, STATE1, STEP, chunks_of, finish_rows, grad_multiplier,
+    load_tile, masked_sq, round_to, tensor_ptrs,
 )
 
 
@@ -47,7 +47,7 @@ def lamb_pass1_kernel(
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     partials,  # CD [C, 2]: chunk partial sums
     counters,  # int32 [n]: finished chunks per tensor (zero between launches)
-    sums,  # CD [n, 2]: output, (‖w‖², ‖u‖²) per tensor
+    sums,  # CD [bucket size, 2]: output, (‖w‖², ‖u‖²) at each tensor's OUT row
     grad_mult,  # CD scalar or None: every gradient is read as g·grad_mult
     found_inf,  # float32 scalar or None: nonzero skips the step
     beta1: tl.float64, beta2: tl.float64, beta3: tl.float64, one_minus_beta2: tl.float64,
@@ -93,7 +93,7 @@ def lamb_pass1_kernel(
                                  b3, omb2, r1, r2, eps_c, lam, CD)
             acc_w += sw
             acc_u += su
-    last = finish_rows(partials, counters, sums, c, valid, i, first, count, tl.sum(acc_w, 1),
+    last = finish_rows(partials, counters, sums, c, valid, i, rec, first, count, tl.sum(acc_w, 1),
                        tl.sum(acc_u, 1), 2, ROWS, RBLOCK)
     tl.store(step_ptr, t, mask=last)
 
@@ -115,7 +115,7 @@ def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, r1, r2, eps, lambda_in_u, lr_p
 def lamb_pass2_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, exp_avg, exp_avg_sq, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
-    sums,  # [n, 2]: (‖w‖², ‖u‖²) per tensor, as pass 1 returned it (possibly all-reduced)
+    sums,  # [bucket size, 2]: (‖w‖², ‖u‖²) by OUT row, from pass 1 (possibly all-reduced)
     found_inf,  # float32 scalar or None: nonzero skips the step
     lr_ptr,  # scalar tensor or None: the learning rate when it is a tensor (LR_IS_TENSOR)
     beta1: tl.float64, beta2: tl.float64, beta3: tl.float64, one_minus_beta2: tl.float64,
@@ -137,8 +137,9 @@ def lamb_pass2_kernel(
                                                lambda_in_u, CD, BIAS_CORRECTION)  # t of pass 1
     r1 = r1[:, None]
     r2 = r2[:, None]
-    w_sq = tl.load(sums + 2 * i, mask=valid, other=0.0).to(CD)
-    u_sq = tl.load(sums + 2 * i + 1, mask=valid, other=0.0).to(CD)
+    o = tl.load(rec + OUT)
+    w_sq = tl.load(sums + 2 * o, mask=valid, other=0.0).to(CD)
+    u_sq = tl.load(sums + 2 * o + 1, mask=valid, other=0.0).to(CD)
     phi = lamb_trust_ratio(w_sq, u_sq, tl.full((), ratio_lo, CD), tl.full((), ratio_hi, CD),
                            ADAPT, BOUNDED)
     if LR_IS_TENSOR:

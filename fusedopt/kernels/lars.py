@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .math import lars_apply, lars_coef, lars_trust_ratio
 from .norms import (
-    GRAD, MASTER, PARAM, STATE0, STEP, chunks_of, finish_rows, grad_multiplier, load_tile,
+    GRAD, MASTER, OUT, PARAM, STATE0, STEP, chunks_of, finish_rows, grad_multiplier, load_tile,
     round_to, tensor_ptrs,
 )
 
@@ -34,7 +34,7 @@ def lars_pass1_kernel(
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     partials,  # CD [C, 2]: chunk partial sums
     counters,  # int32 [n]: finished chunks per tensor (zero between launches)
-    sums,  # CD [n, 2]: output, (‖w‖², ‖g‖²) or (‖w‖², ‖g + λw‖²) per tensor
+    sums,  # CD [bucket size, 2]: output, (‖w‖², ‖g‖²) or (‖w‖², ‖g + λw‖²) at each OUT row
     grad_mult,  # CD scalar or None: every gradient is read as g·grad_mult
     found_inf,  # float32 scalar or None: nonzero skips the step
     weight_decay: tl.float64,  # λ
@@ -71,7 +71,7 @@ def lars_pass1_kernel(
             sw, sg = _pass1_tile(w_ptr + o, g_ptr + o, o < n[:, None], gm, lam, CD, COMBINED)
             acc_w += sw
             acc_g += sg
-    last = finish_rows(partials, counters, sums, c, valid, i, first, count, tl.sum(acc_w, 1),
+    last = finish_rows(partials, counters, sums, c, valid, i, rec, first, count, tl.sum(acc_w, 1),
                        tl.sum(acc_g, 1), 2, ROWS, RBLOCK)
     tl.store(step_ptr, t, mask=last)
 
@@ -94,7 +94,7 @@ def _pass2_tile(w_ptr, p_ptr, g_ptr, v_ptr, mask, gm, ratio, lam, lr, mu, keep, 
 def lars_pass2_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, momentum_buffer, -, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
-    sums,  # [n, 2]: the sums pass 1 returned (possibly all-reduced)
+    sums,  # [bucket size, 2]: by OUT row, the sums pass 1 returned (possibly all-reduced)
     grad_mult,  # CD scalar or None: every gradient is read as g·grad_mult
     found_inf,  # float32 scalar or None: nonzero skips the step
     lr_ptr,  # scalar tensor or None: the learning rate when it is a tensor (LR_IS_TENSOR)
@@ -115,8 +115,9 @@ def lars_pass2_kernel(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
     lam = tl.full((), weight_decay, CD)
-    w_sq = tl.load(sums + 2 * i, mask=valid, other=0.0).to(CD)
-    g_sq = tl.load(sums + 2 * i + 1, mask=valid, other=0.0).to(CD)
+    o = tl.load(rec + OUT)
+    w_sq = tl.load(sums + 2 * o, mask=valid, other=0.0).to(CD)
+    g_sq = tl.load(sums + 2 * o + 1, mask=valid, other=0.0).to(CD)
     ratio = lars_trust_ratio(w_sq, g_sq, tl.full((), trust_coefficient, CD), lam, tl.full((), eps, CD),
                              ADAPT, COMBINED, TRUST_CLIP)[:, None]
     if LR_IS_TENSOR:

@@ -57,8 +57,17 @@ def bias_correction(beta, t):
 @triton.jit
 def zero_norm_rule(w_norm, other_norm, ratio):
     """Note [zero-norm rule] of math.h: the trust ratio is exactly 1 when ``‖w‖`` or the other
-    norm of its formula (``‖u‖`` for LAMB, the gradient norm for LARS) is 0."""
-    return tl.where((w_norm > 0) & (other_norm > 0), ratio, 1.0).to(ratio.dtype)
+    norm of its formula (``‖u‖`` for LAMB, the gradient norm for LARS) is 0; a NaN norm gives a
+    NaN ratio (Note [NaN propagation] of math.h)."""
+    return tl.where((w_norm == 0) | (other_norm == 0), 1.0, ratio).to(ratio.dtype)
+
+
+@triton.jit
+def clamp_keep_nan(x, lo, hi):
+    """``x`` clamped to ``[lo, hi]``, NaN kept (Note [NaN propagation] of math.h): the comparisons
+    of math.h's ternaries, not ``tl.minimum``/``tl.maximum``, which compile to NaN-dropping
+    ``minnum``/``maxnum``."""
+    return tl.where(x < lo, lo, tl.where(x > hi, hi, x))
 
 
 # ------------------------------------------------------------------------------------- LAMB
@@ -110,7 +119,7 @@ def lamb_trust_ratio(w_sq, u_sq, ratio_lo, ratio_hi, ADAPT: tl.constexpr, BOUNDE
         u_n = ieee_sqrt(u_sq)
         phi = zero_norm_rule(w_n, u_n, ieee_div(w_n, u_n))
         if BOUNDED:
-            phi = tl.minimum(tl.maximum(phi, ratio_lo), ratio_hi)
+            phi = clamp_keep_nan(phi, ratio_lo, ratio_hi)
     else:
         phi = tl.full((), 1.0, w_sq.dtype)
     return phi
@@ -140,7 +149,7 @@ def lars_trust_ratio(w_sq, g_sq, kappa, lam, eps, ADAPT: tl.constexpr, COMBINED:
             den = g_n + lam * w_n + eps
         ratio = zero_norm_rule(w_n, g_n, ieee_div(kappa * w_n, den))
         if TRUST_CLIP:
-            ratio = tl.minimum(ratio, 1.0)
+            ratio = tl.where(ratio > 1.0, 1.0, ratio).to(ratio.dtype)  # NaN kept
     else:
         ratio = tl.full((), 1.0, w_sq.dtype)
     return ratio

@@ -42,6 +42,7 @@ STATE1 = tl.constexpr(_tables.STATE1)
 STEP = tl.constexpr(_tables.STEP)
 NUMEL = tl.constexpr(_tables.NUMEL)
 FIRST_CHUNK = tl.constexpr(_tables.FIRST_CHUNK)
+OUT = tl.constexpr(_tables.OUT)
 INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
@@ -49,10 +50,15 @@ INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 def chunks_of(records, owner, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr,
               ROWS: tl.constexpr):
     """This program's rows, as ``[ROWS]`` vectors: ``(c, valid, i, rec, start, n, first, count,
-    inc)`` = chunk index, whether the row holds a chunk, its tensor, the tensor's record, the
-    chunk's first element, the elements to update (0 for padding, a 0-size tensor, or when
-    ``*found_inf`` is nonzero), the tensor's first chunk and number of chunks, and the step
-    increment (1, or 0 when ``*found_inf`` is nonzero: a skipped step touches no memory)."""
+    inc)`` = chunk index, whether the row holds a chunk, its tensor (in the table), the tensor's
+    record, the chunk's first element, the elements to update (0 for padding, a 0-size tensor, or
+    when ``*found_inf`` is nonzero), the tensor's first chunk and number of chunks, and the step
+    increment (1, or 0 when ``*found_inf`` is nonzero).
+
+    Note [skipped steps]: when ``*found_inf`` is nonzero no element of a param, grad, master or
+    state tensor is read or written, but a pass 1 still runs its bookkeeping: it stores the
+    (unchanged) step count and writes the norm workspace (``partials``, ``counters``) and its
+    output ``sums`` (zeros), which pass 2 then ignores."""
     c = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     i = tl.load(owner + c)
     valid = i >= 0
@@ -121,11 +127,11 @@ def masked_sq(x, mask):
 
 
 @triton.jit
-def finish_rows(partials, counters, sums, c, valid, i, first, count, p0, p1, NS: tl.constexpr,
+def finish_rows(partials, counters, sums, c, valid, i, rec, first, count, p0, p1, NS: tl.constexpr,
                 ROWS: tl.constexpr, RBLOCK: tl.constexpr):
     """Second stage of Note [two-stage norms]: store the rows' partial sums ``(p0, p1)``; for each
-    row that finishes its tensor, write the tensor's sums (``sums[i]``, or ``sums[i, 0:2]`` when
-    NS == 2). Returns the ``[ROWS]`` mask of those rows."""
+    row that finishes its tensor, write the tensor's sums to its output row ``o = rec[OUT]``
+    (``sums[o]``, or ``sums[o, 0:2]`` when NS == 2). Returns the ``[ROWS]`` mask of those rows."""
     tl.store(partials + 2 * c, p0, mask=valid)
     tl.store(partials + 2 * c + 1, p1, mask=valid)
     tl.debug_barrier()
@@ -141,11 +147,12 @@ def finish_rows(partials, counters, sums, c, valid, i, first, count, p0, p1, NS:
             slot = partials + 2 * (first[:, None] + j + lanes)
             acc0 += tl.load(slot, mask=mask, other=0.0, cache_modifier=".cg")
             acc1 += tl.load(slot + 1, mask=mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(rec + OUT)
         if NS == 2:
-            tl.store(sums + 2 * i, tl.sum(acc0, 1), mask=last)
-            tl.store(sums + 2 * i + 1, tl.sum(acc1, 1), mask=last)
+            tl.store(sums + 2 * o, tl.sum(acc0, 1), mask=last)
+            tl.store(sums + 2 * o + 1, tl.sum(acc1, 1), mask=last)
         else:
-            tl.store(sums + i, tl.sum(acc0, 1), mask=last)
+            tl.store(sums + o, tl.sum(acc0, 1), mask=last)
         tl.store(counters + i, 0, mask=last)
     return last
 
@@ -156,7 +163,7 @@ def sq_norms_kernel(
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     partials,  # CD [C, 2]: chunk partial sums
     counters,  # int32 [n]: finished chunks per tensor (zero between launches)
-    sums,  # CD [n]: output, Σx² per tensor
+    sums,  # CD [bucket size]: output, Σx² per tensor, at the tensor's OUT row
     X_DTYPE: tl.constexpr, CD: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
 ):
@@ -174,4 +181,4 @@ def sq_norms_kernel(
             x = tl.load(x_ptr + (off + cols), mask=off + cols < n[:, None], other=0.0).to(CD)
             acc += x * x
     p = tl.sum(acc, 1)
-    finish_rows(partials, counters, sums, c, valid, i, first, count, p, p, 1, ROWS, RBLOCK)
+    finish_rows(partials, counters, sums, c, valid, i, rec, first, count, p, p, 1, ROWS, RBLOCK)

@@ -1,10 +1,11 @@
-"""The launcher: per-bucket pointer tables, chunk maps, launch splitting, the launch counter.
+"""The launcher: per-bucket pointer tables, chunk maps, launch splitting, the launch guard.
 
-The kernels never receive a Python list of tensors. A bucket of ``n`` tensors is described by
+The kernels never receive a Python list of tensors. A set of ``n`` tensors is described by
 
 * ``records``: int64 ``[n, RECORD]``, one row per tensor: the data pointers of its param, grad,
   master, the two state tensors and the step count (0 where the kernel does not use one), its
-  ``numel`` and the index of its first chunk;
+  ``numel``, the index of its first chunk and ``OUT``, the tensor's row in the pass's output
+  ``sums`` (its index in the bucket);
 * ``owner``: int32, the tensor of each chunk. Tensor ``i`` is cut into
   ``max(1, ceil(numel / CHUNK_SIZE))`` chunks (a 0-size tensor still gets one: it writes its sums
   and its step count). A program takes ``ROWS`` consecutive chunks, one per row of its
@@ -13,26 +14,45 @@ The kernels never receive a Python list of tensors. A bucket of ``n`` tensors is
 * the workspace of the two-stage norms: ``partials`` ``[C, 2]`` and the int32 ``counters`` ``[n]``
   (zero between launches, see kernels/norms.py).
 
-Note [table cache]: building a table is a host loop over the tensors and one host-to-device copy,
-so tables are cached, keyed by the device, the chunk layout, the tuple of every data pointer and
-every ``numel``; a step whose tensors did not move reuses them. A hit costs one Python pass over
-the tensors (``data_ptr()``/``numel()``), no torch op. Only the pointers are keyed, never the
-tensors, so the cache keeps no user memory alive; it is a small LRU.
+Note [per-tensor alignment]: the kernels load 16-byte vectors only when told (``ALIGNED``) that
+every data pointer of the table is a multiple of 16 bytes. A bucket's tensors are therefore split
+into the aligned ones and the others, each set with tables (and launches) of its own: one
+misaligned tensor (an odd-sized param before a bucket-view grad, a user's view) costs its own
+launch, never the vector loads of the others, and a tensor's sums do not depend on its
+neighbours (``ALIGNED`` changes the layout of a tile, and with it the order of ``tl.sum``).
 
-Note [launch limit]: one launch covers at most ``MAX_TENSORS_PER_LAUNCH`` tensors; a larger
-bucket is cut into consecutive slices with one set of launches each (and its own table), so the
+Note [table ownership]: building a table is a host loop over the tensors and one host-to-device
+copy (from pinned memory, non-blocking: the host never waits for the queued backward). A bucket's
+tables live in its ``workspace`` (a ``TableStore``, which the optimizer keeps per param group and
+bucket as long as the optimizer lives), one entry per role of the step (the passes; the grads'
+norms for clipping), each replaced only when the tensors it describes moved (its key is the tuple
+of every data pointer and every ``numel``). Nothing is evicted: a table, its norm counters and
+partial sums stay valid as long as the bucket, as a captured CUDA graph that points to them
+needs, and two buckets never share a workspace. Under CUDA-graph capture a table that would
+have to be built raises instead (build it with one step before capturing). A one-off bucket
+without workspace (the functional API) builds its tables per call.
+
+Note [launch limit]: one launch covers at most ``MAX_TENSORS_PER_LAUNCH`` tensors; a larger set
+is cut into consecutive slices with one set of launches each (and its own table), so the
 launches per step are constant up to that many tensors and grow by one set per further slice.
-The limit bounds the size of one table (64 B per tensor) and of one host-to-device copy; it is a
+The limit bounds the size of one table (72 B per tensor) and of one host-to-device copy; it is a
 module attribute so tests can lower it.
+
+Note [device guard]: Triton launches on ``torch.cuda.current_device()`` and that device's current
+stream. Every launch (and compilation) runs under a guard of its table's device, so a bucket on
+``cuda:1`` runs in cuda:1's context, ordered after the work queued on cuda:1's current stream,
+whatever device is current for the caller.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from ..backends import BackendCompileError
 
 # Note [launch limit]
 MAX_TENSORS_PER_LAUNCH = 32768
@@ -40,33 +60,82 @@ MAX_TENSORS_PER_LAUNCH = 32768
 # Compiled for sm_90, LAMB's pass 1 needs 64 registers a thread with one row of 1024 columns and
 # 4 warps, 96 with 2 x 512 and 239 with 4 x 512 (each row's pointers are 64-bit per element), so
 # the GPU default is one chunk per program. The interpreter's cost is per program and per
-# operation, not per element, so the tests take many rows of wide tiles.
+# operation, not per element, so under it the kernels take many rows of wide tiles; those tiles
+# are for the interpreter only (compiled, they spill and take minutes to build).
 CHUNK_SIZE = 16384
 ROWS = 1
 BLOCK_SIZE = 1024
 NUM_WARPS = 4
+INTERPRETER_TILES = dict(CHUNK_SIZE=2048, ROWS=64, BLOCK_SIZE=512)
 if os.environ.get("TRITON_INTERPRET") == "1":  # read when triton makes its choice, at first import
-    CHUNK_SIZE, ROWS, BLOCK_SIZE = 2048, 64, 512
+    CHUNK_SIZE, ROWS, BLOCK_SIZE = (INTERPRETER_TILES[k] for k in ("CHUNK_SIZE", "ROWS", "BLOCK_SIZE"))
 # Lanes of the finaliser's fixed-order reduction over the chunk partials of one tensor.
 REDUCE_BLOCK = 128
-CACHE_ENTRIES = 64
 
 # Columns of a record (kernels/norms.py reads them by these numbers).
-PARAM, GRAD, MASTER, STATE0, STATE1, STEP, NUMEL, FIRST_CHUNK = range(8)
-RECORD = 8
+PARAM, GRAD, MASTER, STATE0, STATE1, STEP, NUMEL, FIRST_CHUNK, OUT = range(9)
+RECORD = 9
 
 _launches = 0
+_builds = 0
 
 
-def launch(kernel, num_programs: int, **kwargs) -> None:
-    """Launch ``kernel`` on a 1-D grid; every Triton launch of fusedopt goes through here."""
+class KernelError(RuntimeError):
+    """A Triton kernel of fusedopt failed to compile or to launch; the message names the backend,
+    the kernel and the specialization (its constexpr arguments)."""
+
+    def __init__(self, kernel: str, specialization: str, action: str, cause: BaseException):
+        self.kernel, self.specialization = kernel, specialization
+        super().__init__(f"fusedopt triton backend: kernel {kernel} failed to {action} for the "
+                         f"specialization {specialization}: {type(cause).__name__}: {cause}")
+
+
+class KernelCompileError(KernelError, BackendCompileError):
+    """A kernel failed to compile (``compile_only``, before anything ran)."""
+
+
+def specialization(kwargs: dict) -> str:
+    """The constexpr arguments of a launch (upper-case names by convention) and the dtypes of its
+    tensor arguments, as a readable string."""
+    parts = [f"{k}={v}" for k, v in kwargs.items() if k.isupper()]
+    parts += [f"{k}:{v.dtype}".replace("torch.", "") for k, v in kwargs.items()
+              if isinstance(v, torch.Tensor) and k in ("grad_mult", "found_inf", "lr_ptr")]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _kernel_name(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return getattr(fn, "__name__", repr(kernel))
+
+
+def device_guard(device: torch.device):
+    """Note [device guard]: the context a launch on ``device`` runs in."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def launch(kernel, table: Table, **kwargs) -> None:
+    """Launch ``kernel`` over ``table`` (one program per ``ROWS`` chunks); every Triton launch of
+    fusedopt goes through here."""
     global _launches
     _launches += 1
     try:
-        kernel[(num_programs,)](num_warps=NUM_WARPS, **kwargs)
-    except BaseException:
-        clear_cache()  # a launch that stopped half-way may leave norm counters nonzero
-        raise
+        with device_guard(table.device):
+            kernel[(table.num_programs,)](num_warps=NUM_WARPS, **kwargs)
+    except Exception as e:
+        table.counters.zero_()  # a launch that stopped half-way may leave norm counters nonzero
+        raise KernelError(_kernel_name(kernel), specialization(kwargs), "compile or launch", e) from e
+
+
+def compile_only(kernel, table: Table, **kwargs) -> None:
+    """Compile ``kernel`` for the arguments ``launch`` would get, without running it (a no-op under
+    the interpreter, which compiles nothing)."""
+    try:
+        with device_guard(table.device):
+            kernel.warmup(grid=(table.num_programs,), num_warps=NUM_WARPS, **kwargs)
+    except Exception as e:
+        raise KernelCompileError(_kernel_name(kernel), specialization(kwargs), "compile", e) from e
 
 
 def launch_count() -> int:
@@ -74,10 +143,16 @@ def launch_count() -> int:
     return _launches
 
 
-@dataclass
-class Table:
-    """Pointer table, chunk map and norm workspace of one slice of a bucket."""
+def build_count() -> int:
+    """Tables built so far in this process (each is a host loop and a host-to-device copy)."""
+    return _builds
 
+
+@dataclass(eq=False)
+class Table:
+    """Pointer table, chunk map and norm workspace of one launch."""
+
+    device: torch.device
     n: int
     num_chunks: int
     num_programs: int
@@ -85,70 +160,110 @@ class Table:
     owner: torch.Tensor  # int32 [num_programs * ROWS], -1 past the last chunk
     counters: torch.Tensor  # int32 [n], zero between launches
     aligned: bool  # every data pointer (not the steps) is a multiple of 16 bytes
+    _host: tuple = ()  # the pinned sources of the non-blocking copies, kept alive with the table
     _partials: dict = field(default_factory=dict)
 
     def partials(self, dtype: torch.dtype) -> torch.Tensor:
         """Chunk partial sums ``[num_chunks, 2]`` in ``dtype`` (reused across steps)."""
         p = self._partials.get(dtype)
         if p is None:
-            p = self._partials[dtype] = torch.empty(
-                self.num_chunks, 2, dtype=dtype, device=self.records.device)
+            if capturing(self.device):
+                raise RuntimeError(_CAPTURE_MSG)
+            p = self._partials[dtype] = torch.empty(self.num_chunks, 2, dtype=dtype, device=self.device)
         return p
 
 
-_cache: OrderedDict[tuple, Table] = OrderedDict()
+class TableStore:
+    """The tables of one bucket, one entry per role (Note [table ownership])."""
+
+    def __init__(self):
+        self.entries: dict[str, tuple[tuple, list[Table]]] = {}
+
+
+_CAPTURE_MSG = ("fusedopt triton backend: a pointer table had to be built during CUDA graph "
+                "capture (the bucket's tensors moved, or this bucket never stepped): run one step "
+                "with the same tensors before capturing")
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``host`` on ``device`` without making the host wait: a pinned copy and a non-blocking
+    transfer. Returns the device tensor and the pinned source (None on the CPU)."""
+    if device.type == "cpu":
+        return host, None
+    pinned = host.pin_memory() if device.type == "cuda" else host
+    return pinned.to(device, non_blocking=True), pinned
 
 
 def _ptrs(tensors: Sequence[torch.Tensor] | None, n: int) -> tuple[int, ...]:
     return (0,) * n if tensors is None else tuple(t.data_ptr() for t in tensors)
 
 
-def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[int, ...]) -> Table:
-    n = len(numels)
-    counts = [max(1, -(-k // CHUNK_SIZE)) for k in numels]
+def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[int, ...],
+           idx: Sequence[int], aligned: bool) -> Table:
+    global _builds
+    _builds += 1
+    n = len(idx)
+    counts = [max(1, -(-numels[i] // CHUNK_SIZE)) for i in idx]
     firsts, c = [], 0
     for k in counts:
         firsts.append(c)
         c += k
-    rows = [list(r) for r in zip(*columns, numels, firsts)]
+    rows = [[col[i] for col in columns] + [numels[i], f, i] for i, f in zip(idx, firsts)]
     records = torch.tensor(rows, dtype=torch.int64).reshape(n, RECORD)
     programs = -(-c // ROWS)
     owner = torch.full((programs * ROWS,), -1, dtype=torch.int32)
     owner[:c] = torch.repeat_interleave(torch.arange(n, dtype=torch.int32),
                                         torch.tensor(counts, dtype=torch.int64))
-    aligned = all(p % 16 == 0 for col in columns[PARAM:STEP] for p in col)  # data, not steps
-    return Table(n=n, num_chunks=c, num_programs=programs, records=records.to(device),
-                 owner=owner.to(device), counters=torch.zeros(n, dtype=torch.int32, device=device),
-                 aligned=aligned)
+    records_d, records_h = _upload(records, device)
+    owner_d, owner_h = _upload(owner, device)
+    return Table(device=device, n=n, num_chunks=c, num_programs=programs, records=records_d,
+                 owner=owner_d, counters=torch.zeros(n, dtype=torch.int32, device=device),
+                 aligned=aligned, _host=(records_h, owner_h))
 
 
-def tables(tensors: Sequence[Sequence[torch.Tensor] | None]) -> list[tuple[int, int, Table]]:
-    """Tables for the tensors ``[params, grads, masters, state0, state1, steps]`` (entries may be
-    None), cut into slices of at most MAX_TENSORS_PER_LAUNCH tensors: ``[(start, stop, table)]``.
-
-    The first list gives the device and the ``numel`` of each tensor.
-    """
-    tensors = list(tensors) + [None] * (STEP + 1 - len(tensors))
-    first = tensors[0]
-    n_all = len(first)
-    device = first[0].device
+def _partition(columns: list[tuple[int, ...]], n: int) -> list[tuple[list[int], bool]]:
+    """Note [per-tensor alignment] and Note [launch limit]: the tensors' indices in launch-sized
+    slices, the 16-byte aligned tensors first."""
+    data = columns[PARAM:STEP]  # the steps are read as scalars
+    is_aligned = [all(col[i] % 16 == 0 for col in data) for i in range(n)]
     out = []
-    for start in range(0, n_all, MAX_TENSORS_PER_LAUNCH):
-        stop = min(n_all, start + MAX_TENSORS_PER_LAUNCH)
-        part = [None if ts is None else ts[start:stop] for ts in tensors]
-        columns = [_ptrs(ts, stop - start) for ts in part]
-        numels = tuple(t.numel() for t in part[0])
-        key = (device, CHUNK_SIZE, ROWS, tuple(columns), numels)
-        table = _cache.get(key)
-        if table is None:
-            table = _cache[key] = _build(device, columns, numels)
-            while len(_cache) > CACHE_ENTRIES:
-                _cache.popitem(last=False)
-        else:
-            _cache.move_to_end(key)
-        out.append((start, stop, table))
+    for flag in (True, False):
+        idx = [i for i in range(n) if is_aligned[i] == flag]
+        out += [(idx[s:s + MAX_TENSORS_PER_LAUNCH], flag)
+                for s in range(0, len(idx), MAX_TENSORS_PER_LAUNCH)]
     return out
 
 
-def clear_cache() -> None:
-    _cache.clear()
+def tables(tensors: Sequence[Sequence[torch.Tensor] | None], store: TableStore | None = None,
+           role: str = "pass") -> list[Table]:
+    """Tables for the tensors ``[params, grads, masters, state0, state1, steps]`` (entries may be
+    None; the first list gives the device and each tensor's ``numel``), in launch-sized slices.
+
+    With a ``store``, the tables of ``role`` are reused while every pointer and size is the same
+    (Note [table ownership]); without, they are built for this call.
+    """
+    tensors = list(tensors) + [None] * (STEP + 1 - len(tensors))
+    first = tensors[0]
+    n = len(first)
+    device = first[0].device
+    columns = [_ptrs(ts, n) for ts in tensors]
+    numels = tuple(t.numel() for t in first)
+    key = (device, CHUNK_SIZE, ROWS, MAX_TENSORS_PER_LAUNCH, tuple(columns), numels)
+    if store is not None:
+        hit = store.entries.get(role)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+    if capturing(device):
+        raise RuntimeError(_CAPTURE_MSG)
+    built = [_build(device, columns, numels, idx, aligned) for idx, aligned in _partition(columns, n)]
+    if store is not None:
+        store.entries[role] = (key, built)
+    return built
