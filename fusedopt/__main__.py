@@ -1,15 +1,18 @@
-"""Command line: ``python -m fusedopt {demo,bench} [options]`` (also the ``fusedopt`` script).
+"""Command line: ``python -m fusedopt {check,demo,bench} [options]`` (also the ``fusedopt`` script).
 
-``demo`` runs :mod:`fusedopt.demo` (small vs large batch on scikit-learn's digits);
-``bench`` forwards its arguments to :func:`fusedopt.bench.main`.
+``check`` runs :mod:`fusedopt.check` (every backend on every device against the float64
+reference, then a short speed table); ``demo`` runs :mod:`fusedopt.demo` (small vs large batch on
+scikit-learn's digits); ``bench`` forwards its arguments to :func:`fusedopt.bench.main`.
 """
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: fusedopt {demo,bench} [options]
+USAGE = """usage: fusedopt {check,demo,bench} [options]
 
 commands:
+  check   self-check: every backend on every device against the float64 reference, then a
+          short speed table; exits non-zero on any failure (fusedopt check --help)
   demo    small-batch vs large-batch training (SGD, linear scaling + warm-up, LARS, LAMB) on
           scikit-learn's digits: prints a table, writes a plot (fusedopt demo --help)
   bench   optimizer step-time benchmark (fusedopt bench --help)
@@ -22,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "check":
+        from . import check
+
+        return check.main(rest)
     if cmd == "demo":
         from . import demo
 
