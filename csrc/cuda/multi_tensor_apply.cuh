@@ -33,6 +33,15 @@ constexpr int kTableBytes = 3584;
 #define FUSEDOPT_GRID_CONSTANT
 #endif
 
+// Every kernel launch of the backend goes through this macro (the kernel, when a template-id,
+// in parentheses), so that another launcher can stand in for <<<...>>>: the SIMT emulation of
+// the tests defines it before this header to run the kernels on the CPU
+// (docs/cuda_emulation.md).
+#ifndef FUSEDOPT_LAUNCH_KERNEL
+#define FUSEDOPT_LAUNCH_KERNEL(kernel, grid, block, stream, ...) \
+  kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
+#endif
+
 static_assert(kChunkSize % 16 == 0, "chunks start 16-byte aligned in a 16-byte aligned tensor");
 
 // ------------------------------------------------------------------------------------ tables
@@ -216,7 +225,8 @@ cudaError_t launch_chunks(const TensorTable<kRows>& table, int64_t blocks, const
                           cudaStream_t stream) {
   static_assert(sizeof(TensorTable<kRows>) + sizeof(Op) <= 4096, "kernel arguments over 4 KiB");
   if (blocks > 0) {
-    chunk_kernel<kRows, Op><<<static_cast<unsigned>(blocks), kBlockSize, 0, stream>>>(table, op);
+    FUSEDOPT_LAUNCH_KERNEL((chunk_kernel<kRows, Op>), static_cast<unsigned>(blocks), kBlockSize,
+                           stream, table, op);
   }
   return cudaGetLastError();
 }
@@ -224,9 +234,8 @@ cudaError_t launch_chunks(const TensorTable<kRows>& table, int64_t blocks, const
 template <int K, int kStepRow, typename T, int kRows>
 cudaError_t launch_reduce(const TensorTable<kRows>& table, const T* partials, T* sums,
                           const float* found_inf, cudaStream_t stream) {
-  reduce_kernel<K, kStepRow, T, kRows>
-      <<<static_cast<unsigned>(table.n), kReduceBlockSize, 0, stream>>>(table, partials, sums,
-                                                                       found_inf);
+  FUSEDOPT_LAUNCH_KERNEL((reduce_kernel<K, kStepRow, T, kRows>), static_cast<unsigned>(table.n),
+                         kReduceBlockSize, stream, table, partials, sums, found_inf);
   return cudaGetLastError();
 }
 
