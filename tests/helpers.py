@@ -144,6 +144,21 @@ def backend_params(names=("eager", "cpp", "triton")):
     return out
 
 
+NAN_RULE_CASES = ("lamb_bounds", "lars_clip")
+
+
+def nan_rule_inputs(case):
+    """``(kind, weights, grads, hyper)`` of a case of :func:`nan_rule_runs` (float32)."""
+    gen = torch.Generator().manual_seed(3)
+    w = [torch.randn(40, generator=gen), torch.randn(7, generator=gen)]
+    g = [torch.randn(40, generator=gen), torch.randn(7, generator=gen)]
+    if case == "lamb_bounds":
+        w[0][5] = 1e30
+        return "lamb", w, g, dict(trust_ratio_bounds=(0.5, 2.0), weight_decay=0.1)
+    g[0][5] = float("nan")
+    return "lars", w, g, dict(trust_clip=True, trust_coefficient=1.0, weight_decay=1e-3)
+
+
 def nan_rule_runs(backend, device="cpu"):
     """Note [NaN propagation] (csrc/fusedopt/math.h): a NaN norm gives a NaN trust ratio, and the
     bounds keep it NaN. Two steps of one backend whose first param makes a norm NaN; returns
@@ -156,17 +171,8 @@ def nan_rule_runs(backend, device="cpu"):
       ``trust_clip`` keeps (a zero-norm test ``‖g‖ > 0`` would give 1 and a single NaN element).
     """
     out = {}
-    for case in ("lamb_bounds", "lars_clip"):
-        gen = torch.Generator().manual_seed(3)
-        w = [torch.randn(40, generator=gen), torch.randn(7, generator=gen)]
-        g = [torch.randn(40, generator=gen), torch.randn(7, generator=gen)]
-        if case == "lamb_bounds":
-            w[0][5] = 1e30
-            hyper = dict(trust_ratio_bounds=(0.5, 2.0), weight_decay=0.1)
-        else:
-            g[0][5] = float("nan")
-            hyper = dict(trust_clip=True, trust_coefficient=1.0, weight_decay=1e-3)
-        kind = case[:4]
+    for case in NAN_RULE_CASES:
+        kind, w, g, hyper = nan_rule_inputs(case)
         params = [torch.nn.Parameter(x.clone().to(device)) for x in w]
         for p, x in zip(params, g):
             p.grad = x.to(device)
@@ -181,6 +187,7 @@ def nan_rule_runs(backend, device="cpu"):
 
 
 def assert_nan_rule(runs):
+    """``runs``: ``{case: (params after one step, float64 reference of the second param)}``."""
     for case, (params, ref_second) in runs.items():
         assert torch.isnan(params[0]).all(), f"{case}: a NaN trust ratio must reach every element"
         assert max_rel_err([params[1]], [ref_second]) <= tols(torch.float32), case

@@ -31,7 +31,10 @@ import torch
 
 from fusedopt import _hyper
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
-from helpers import LAMB_CASES, LARS_CASES, LR, assert_within_rounding, make_tensors, run_backend
+from helpers import (
+    LAMB_CASES, LARS_CASES, LR, NAN_RULE_CASES, assert_nan_rule, assert_within_rounding,
+    make_tensors, nan_rule_inputs, run_backend,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMT = ROOT / "tests" / "simt"
@@ -1016,3 +1019,31 @@ def test_the_guards_and_bitwise_checks_can_fail():
     b.view(torch.int32)[1] += 1  # one ulp
     with pytest.raises(AssertionError, match="differ bitwise"):
         assert_bitwise([a], [b])
+
+
+def test_nan_norms_give_nan_trust_ratios(fresh):
+    """Note [NaN propagation] of math.h, with the inputs the other backends' tests use
+    (helpers.nan_rule_runs): a NaN norm gives a NaN ratio, which the bounds keep."""
+    runs = {}
+    for case in NAN_RULE_CASES:
+        kind, w, g, hyper = nan_rule_inputs(case)
+        arena = Arena()
+        weights = [arena.place(x, False) for x in w]
+        grads = [arena.place(x, False) for x in g]
+        state1 = [arena.place(torch.zeros_like(x), False) for x in w]
+        state2 = [arena.place(torch.zeros_like(x), False) for x in w] if kind == "lamb" else None
+        steps = [arena.place(torch.zeros(()), False) for _ in w]
+        make = lamb_hyper if kind == "lamb" else lars_hyper
+        h = make(hyper, LR[kind])
+        scalars = DeviceScalarsC(None, None, None)
+        sums = fresh.run_pass(f"{kind}_pass1", Lists(weights, grads, state1, state2, None, steps,
+                                                     torch.float32), h, scalars)
+        b2 = (Lists(weights, None, state1, state2, None, steps) if kind == "lamb"
+              else Lists(weights, grads, state1, None, None, steps, torch.float32))
+        fresh.run_pass(f"{kind}_pass2", b2, h, scalars, sums)
+        arena.check_guards()
+        ref = (ReferenceLAMB if kind == "lamb" else ReferenceLARS)([{**hyper, "lr": LR[kind]}])
+        ref_w = [w[1].double()]
+        ref.step([ref_w], [[g[1].double()]])
+        runs[case] = (weights, ref_w[0])
+    assert_nan_rule(runs)
