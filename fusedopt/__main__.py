@@ -14,7 +14,9 @@ commands:
   check   self-check: every backend on every device against the float64 reference, then a
           short speed table; exits non-zero on any failure (fusedopt check --help)
   demo    small-batch vs large-batch training (SGD, linear scaling + warm-up, LARS, LAMB) on
-          scikit-learn's digits: prints a table, writes a plot (fusedopt demo --help)
+          scikit-learn's digits: prints a table, writes a plot (fusedopt demo --help);
+          `demo sweep`: the batch-size sweep, steps vs examples to a target per optimizer,
+          the fitted critical batch size beside the gradient noise scale
   bench   optimizer step-time benchmark (fusedopt bench --help)
 """
 

@@ -1,8 +1,14 @@
-"""Large-batch training demo: ``python -m fusedopt demo``.
+"""Large-batch training demo: ``python -m fusedopt demo`` and ``python -m fusedopt demo sweep``.
 
-Trains the same small MLP on scikit-learn's ``load_digits`` (8x8 handwritten digits, 1797
-images, shipped with scikit-learn) five times, all for the same number of epochs from the same
-initialization and the same data order:
+``demo sweep`` (:mod:`fusedopt.sweep`) is the batch-size sweep: steps and examples to a fixed
+target at every batch size from 16 to the whole training set, for SGD with the linear scaling
+rule, LARS and LAMB, with the fit of McCandlish et al.'s ``(S/S_min − 1)(E/E_min − 1) = 1`` and
+the critical batch size next to the measured gradient noise scale.
+
+``demo`` without a sub-command is the five-run comparison below. It trains the same small MLP
+on scikit-learn's ``load_digits`` (8x8 handwritten digits, 1797 images, shipped with
+scikit-learn) five times, all for the same number of epochs from the same initialization and
+the same data order:
 
 1. momentum SGD at a small batch (32);
 2. momentum SGD at a 16x larger batch (512) with the *same* LR;
@@ -226,10 +232,22 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def probe_noise_scale(model, x, y, generator: torch.Generator,
                       probe_windows: int | None = None) -> tuple[float, float]:
-    """``(B_simple, standard error)`` at the current parameters, from ``probe_windows`` big
-    batches of ``probe_micro_batches`` x ``probe_micro_batch`` examples drawn with replacement,
-    through :class:`fusedopt.GradientAccumulationNoiseScale`. Gradients are cleared before and
-    after; the optimizer state is not touched.
+    """``(B_simple, standard error)`` at the current parameters; see :func:`noise_probe`."""
+    p = noise_probe(model, x, y, generator, probe_windows or COMMON["probe_windows"])
+    return p["b_simple"], p["se"]
+
+
+def noise_probe(model, x, y, generator: torch.Generator, windows: int, *,
+                micro_batch: int = COMMON["probe_micro_batch"],
+                micro_batches: int = COMMON["probe_micro_batches"]) -> dict[str, float]:
+    """The gradient noise scale at the current parameters, from ``windows`` big batches of
+    ``micro_batches`` x ``micro_batch`` examples drawn with replacement, through
+    :class:`fusedopt.GradientAccumulationNoiseScale`. Gradients are cleared before and after;
+    the optimizer state is not touched.
+
+    Returns ``b_simple`` (``trace / sq_norm``), ``se`` (its standard error), ``trace`` and
+    ``sq_norm`` (the averaged ``tr(Σ)`` and ``|G|²`` estimates, for pooling several probes as a
+    ratio of means).
 
     The parameters are fixed during a probe, so the windows are i.i.d. measurements of the same
     quantity and are weighted (almost) equally (bias-corrected EMA with beta close to 1). The
@@ -238,8 +256,7 @@ def probe_noise_scale(model, x, y, generator: torch.Generator,
     """
     from .noise_scale import GradientAccumulationNoiseScale, GradientNoiseScale
 
-    b, n = COMMON["probe_micro_batch"], COMMON["probe_micro_batches"]
-    windows = probe_windows or COMMON["probe_windows"]
+    b, n = micro_batch, micro_batches
     est = GradientNoiseScale(beta=1.0 - 1.0 / (100 * windows))
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -263,7 +280,7 @@ def probe_noise_scale(model, x, y, generator: torch.Generator,
     se = math.nan
     if math.isfinite(b_simple) and windows > 1 and float(sq.mean()) > 0:
         se = float((tr - b_simple * sq).std() / math.sqrt(windows) / sq.mean())
-    return b_simple, se
+    return dict(b_simple=b_simple, se=se, trace=est.trace_estimate, sq_norm=est.sq_norm_estimate)
 
 
 def exact_noise_scale(model, x, y, chunk: int = 32) -> float:
@@ -441,7 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fusedopt demo",
         description="Small batch vs large batch (SGD, linear scaling + warm-up, LARS, LAMB) on "
-                    "scikit-learn's digits; prints a table and writes a plot.")
+                    "scikit-learn's digits; prints a table and writes a plot.",
+        epilog="'fusedopt demo sweep' runs the batch-size sweep instead: steps and examples to "
+               "a target at every batch size, the fit of (S/S_min-1)(E/E_min-1)=1, B_crit "
+               "and B_noise (fusedopt demo sweep --help).")
     p.add_argument("--epochs", type=int, default=COMMON["epochs"],
                    help=f"epochs for every run (default {COMMON['epochs']})")
     p.add_argument("--seed", type=int, default=0, help="initialization / data-order seed")
@@ -563,6 +583,11 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sweep"]:
+        from . import sweep
+
+        return sweep.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         run(args)
