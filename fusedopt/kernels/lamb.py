@@ -137,9 +137,9 @@ def lamb_pass2_kernel(
                                                lambda_in_u, CD, BIAS_CORRECTION)  # t of pass 1
     r1 = r1[:, None]
     r2 = r2[:, None]
-    o = tl.load(rec + OUT)
-    w_sq = tl.load(sums + 2 * o, mask=valid, other=0.0).to(CD)
-    u_sq = tl.load(sums + 2 * o + 1, mask=valid, other=0.0).to(CD)
+    row = tl.load(rec + OUT)  # the tensor's row of sums
+    w_sq = tl.load(sums + 2 * row, mask=valid, other=0.0).to(CD)
+    u_sq = tl.load(sums + 2 * row + 1, mask=valid, other=0.0).to(CD)
     phi = lamb_trust_ratio(w_sq, u_sq, tl.full((), ratio_lo, CD), tl.full((), ratio_hi, CD),
                            ADAPT, BOUNDED)
     if LR_IS_TENSOR:

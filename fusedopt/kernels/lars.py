@@ -115,9 +115,9 @@ def lars_pass2_kernel(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
     lam = tl.full((), weight_decay, CD)
-    o = tl.load(rec + OUT)
-    w_sq = tl.load(sums + 2 * o, mask=valid, other=0.0).to(CD)
-    g_sq = tl.load(sums + 2 * o + 1, mask=valid, other=0.0).to(CD)
+    row = tl.load(rec + OUT)  # the tensor's row of sums
+    w_sq = tl.load(sums + 2 * row, mask=valid, other=0.0).to(CD)
+    g_sq = tl.load(sums + 2 * row + 1, mask=valid, other=0.0).to(CD)
     ratio = lars_trust_ratio(w_sq, g_sq, tl.full((), trust_coefficient, CD), lam, tl.full((), eps, CD),
                              ADAPT, COMBINED, TRUST_CLIP)[:, None]
     if LR_IS_TENSOR:

@@ -147,12 +147,12 @@ def finish_rows(partials, counters, sums, c, valid, i, rec, first, count, p0, p1
             slot = partials + 2 * (first[:, None] + j + lanes)
             acc0 += tl.load(slot, mask=mask, other=0.0, cache_modifier=".cg")
             acc1 += tl.load(slot + 1, mask=mask, other=0.0, cache_modifier=".cg")
-        o = tl.load(rec + OUT)
+        row = tl.load(rec + OUT)
         if NS == 2:
-            tl.store(sums + 2 * o, tl.sum(acc0, 1), mask=last)
-            tl.store(sums + 2 * o + 1, tl.sum(acc1, 1), mask=last)
+            tl.store(sums + 2 * row, tl.sum(acc0, 1), mask=last)
+            tl.store(sums + 2 * row + 1, tl.sum(acc1, 1), mask=last)
         else:
-            tl.store(sums + o, tl.sum(acc0, 1), mask=last)
+            tl.store(sums + row, tl.sum(acc0, 1), mask=last)
         tl.store(counters + i, 0, mask=last)
     return last
 

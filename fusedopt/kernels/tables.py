@@ -66,6 +66,10 @@ CHUNK_SIZE = 16384
 ROWS = 1
 BLOCK_SIZE = 1024
 NUM_WARPS = 4
+# Registers a thread may use. Without a limit ptxas picks its own budget for the block size
+# Triton declares (.reqntid) and spills a few bytes in some float64 kernels to meet it; with
+# the limit stated, it keeps every value in registers (docs/triton_kernels.md).
+MAX_REGISTERS = 255
 INTERPRETER_TILES = dict(CHUNK_SIZE=2048, ROWS=64, BLOCK_SIZE=512)
 if os.environ.get("TRITON_INTERPRET") == "1":  # read when triton makes its choice, at first import
     CHUNK_SIZE, ROWS, BLOCK_SIZE = (INTERPRETER_TILES[k] for k in ("CHUNK_SIZE", "ROWS", "BLOCK_SIZE"))
@@ -122,7 +126,7 @@ def launch(kernel, table: Table, **kwargs) -> None:
     _launches += 1
     try:
         with device_guard(table.device):
-            kernel[(table.num_programs,)](num_warps=NUM_WARPS, **kwargs)
+            kernel[(table.num_programs,)](num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **kwargs)
     except Exception as e:
         table.counters.zero_()  # a launch that stopped half-way may leave norm counters nonzero
         raise KernelError(_kernel_name(kernel), specialization(kwargs), "compile or launch", e) from e
@@ -133,7 +137,8 @@ def compile_only(kernel, table: Table, **kwargs) -> None:
     the interpreter, which compiles nothing)."""
     try:
         with device_guard(table.device):
-            kernel.warmup(grid=(table.num_programs,), num_warps=NUM_WARPS, **kwargs)
+            kernel.warmup(grid=(table.num_programs,), num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+                          **kwargs)
     except Exception as e:
         raise KernelCompileError(_kernel_name(kernel), specialization(kwargs), "compile", e) from e
 

@@ -1,0 +1,94 @@
+"""The Triton kernels compiled for real GPUs (sm_80 and sm_90), on a host without one.
+
+Triton's compiler needs no GPU, but it must not be in interpreter mode, which the other Triton
+tests choose for this process (tests/test_triton.py, tests/conftest.py) before triton is first
+imported. So the compiling happens in a process of its own, tests/triton_compile.py, started
+without ``TRITON_INTERPRET``; it reports every result as JSON. Nothing here imports triton.
+
+What is compiled is derived from the launcher (Note [derived specializations] in
+tests/triton_compile.py): the real step function drives the real Triton backend over every
+dtype, master, GradScaler and hyper-parameter input, and its launches are recorded instead of
+run. The run compiles a covering subset of those specializations (Note [selection]): every
+value of every kernel argument, every pair of values of two arguments and every dtype
+combination, each for both architectures. ``python tests/triton_compile.py --select all``
+compiles every one of them (hours on two cores).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HELPER = ROOT / "tests" / "triton_compile.py"
+ARCHS = {80, 90}
+TIMEOUT_S = 600
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed")
+
+
+def _describe(r: dict) -> str:
+    """A specialization as its kernel, architecture and the arguments that select code."""
+    args = ", ".join(f"{k}={v.split(' ')[0]}" for k, v in r["args"].items()
+                     if k.isupper() or not v.startswith("fp64"))
+    return f"{r['name']} sm_{r['arch']} ({args})"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("triton_compile") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(HELPER), "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    if not out.exists():
+        pytest.fail(f"tests/triton_compile.py failed (exit {proc.returncode}):\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(out.read_text())
+
+
+def test_the_launcher_reaches_every_kernel_and_flag(report):
+    """Every ``*_kernel`` is launched, every bool constexpr both ways, every dtype constexpr with
+    several dtypes, every optional tensor both given and None; and ``prepare`` compiles exactly
+    the specializations that the step then launches."""
+    assert report["summary"]["coverage_problems"] == []
+
+
+def test_every_specialization_compiles(report):
+    """Failures grouped by kernel and error, each with its architectures and a first example."""
+    groups: dict[tuple, list] = {}
+    for r in report["results"]:
+        if "error" in r:
+            lines = r["error"].strip().splitlines()
+            groups.setdefault((r["name"], lines[0], lines[-1]), []).append(r)
+    failed = [f"{name}: {len(rs)} builds (sm_{', sm_'.join(sorted({str(r['arch']) for r in rs}))})"
+              f": {first}\n    {last}\n    e.g. {_describe(rs[0])}"
+              for (name, first, last), rs in sorted(groups.items())]
+    n = sum(map(len, groups.values()))
+    assert not failed, f"{n} of {len(report['results'])} builds failed:\n" + "\n".join(failed)
+
+
+def test_no_spills(report):
+    built = [r for r in report["results"] if "error" not in r]
+    spills = [f"{_describe(r)}: {r['regs']} registers, {r['stack_frame']} B stack frame, "
+              f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads"
+              for r in built if r["spill_stores"] or r["spill_loads"]]
+    assert built
+    assert not spills, f"{len(spills)} of {len(built)} builds spill:\n" + "\n".join(spills)
+
+
+def test_both_architectures_and_consistent_reports(report):
+    """Each specialization is built for sm_80 and for sm_90 (PTX targets ``sm_80`` and
+    ``sm_90a``), and the registers of the binary agree with those ``ptxas -v`` reports."""
+    archs: dict[tuple, set] = {}
+    for r in report["results"]:
+        archs.setdefault((r["name"], tuple(sorted(r["args"].items()))), set()).add(r["arch"])
+    assert all(a == ARCHS for a in archs.values())
+    built = [r for r in report["results"] if "error" not in r]
+    assert {r["ptx_target"] for r in built} <= {"sm_80", "sm_90a"}
+    assert [_describe(r) for r in built if r["regs"] != r["ptxas_regs"]] == []
