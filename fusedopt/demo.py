@@ -440,18 +440,26 @@ def plot(results: list[dict[str, Any]], path: str, eval_name: str, title: str) -
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
-def _parse_set(items: list[str], recipes: dict[str, dict[str, Any]]) -> None:
+def parse_overrides(items: list[str], table: dict[str, dict[str, Any]], *, what: str,
+                    example: str, fixed: tuple[str, ...] | None = None) -> None:
+    """Apply ``--set NAME.KEY=VALUE`` overrides to ``table[NAME][KEY]`` (VALUE as a Python
+    literal, else as a string). ``what`` names the entries in messages ("run", "optimizer");
+    with ``fixed`` given, only existing keys outside it may be set."""
     for item in items:
         key, eq, value = item.partition("=")
-        run, dot, field = key.partition(".")
+        name, dot, field = key.partition(".")
         if not eq or not dot:
-            raise DemoError(f"--set {item!r}: expected RUN.KEY=VALUE, e.g. lars_b512.lr=2.0")
-        if run not in recipes:
-            raise DemoError(f"--set {item!r}: unknown run {run!r}; expected one of {list(recipes)}")
+            raise DemoError(f"--set {item!r}: expected {what.upper()}.KEY=VALUE, e.g. {example}")
+        if name not in table:
+            raise DemoError(f"--set {item!r}: unknown {what} {name!r}; expected one of {list(table)}")
+        if fixed is not None and (field not in table[name] or field in fixed):
+            keys = [k for k in table[name] if k not in fixed]
+            raise DemoError(f"--set {item!r}: {name} has no setting {field!r}; expected one of "
+                            f"{keys}")
         try:
-            recipes[run][field] = ast.literal_eval(value)
+            table[name][field] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            recipes[run][field] = value
+            table[name][field] = value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -514,7 +522,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DemoError("--device cuda: CUDA is not available on this machine")
     recipes = copy.deepcopy(RECIPES)
-    _parse_set(args.set, recipes)
+    parse_overrides(args.set, recipes, what="run", example="lars_b512.lr=2.0")
     runs = [s.strip() for s in args.runs.split(",") if s.strip()]
     unknown = [s for s in runs if s not in recipes]
     if unknown or not runs:

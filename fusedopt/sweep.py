@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from . import demo
-from .demo import DemoError
+from .demo import DemoError, parse_overrides
 
 # --------------------------------------------------------------------------------------------
 # Hyper-parameters
@@ -381,27 +381,6 @@ def _parse_list(name: str, text: str, kind) -> list:
             f"{name} {text!r}: expected comma-separated {kind.__name__} values") from None
 
 
-def _parse_set(items: list[str], specs: dict[str, dict[str, Any]]) -> None:
-    import ast
-
-    for item in items:
-        key, eq, value = item.partition("=")
-        name, dot, field = key.partition(".")
-        if not eq or not dot:
-            raise DemoError(f"--set {item!r}: expected OPT.KEY=VALUE, e.g. lars.base_lr=2.0")
-        if name not in specs:
-            raise DemoError(f"--set {item!r}: unknown optimizer {name!r}; expected one of "
-                            f"{list(specs)}")
-        if field not in specs[name] or field in ("label", "optimizer"):
-            keys = [k for k in specs[name] if k not in ("label", "optimizer")]
-            raise DemoError(f"--set {item!r}: {name} has no setting {field!r}; expected one of "
-                            f"{keys}")
-        try:
-            specs[name][field] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            specs[name][field] = value
-
-
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     cfg = copy.deepcopy(SWEEP)
     if args.quick:
@@ -421,7 +400,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         cfg["lr_grid"] = tuple(_parse_list("--lr-grid", args.lr_grid, float))
     cfg["optimizers"] = tuple(_parse_list("--optimizers", args.optimizers, str))
     specs = copy.deepcopy(OPTIMIZERS)
-    _parse_set(args.set, specs)
+    parse_overrides(args.set, specs, what="optimizer", example="lars.base_lr=2.0",
+                    fixed=("label", "optimizer"))
     cfg["specs"] = specs
     unknown = [o for o in cfg["optimizers"] if o not in OPTIMIZERS]
     if unknown:
