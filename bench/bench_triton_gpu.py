@@ -1,4 +1,4 @@
-"""Triton backend benchmark: step time, GB/s against SPEC.md's bytes model, launches per step.
+"""Triton backend benchmark: step time, GB/s against docs/math.md's bytes model, launches per step.
 
 On a CUDA machine (TRITON_INTERPRET unset)::
 
@@ -8,7 +8,7 @@ On a CUDA machine (TRITON_INTERPRET unset)::
 times ``optimizer.step()`` with ``triton.testing.do_bench`` (L2 flushed between runs; median and
 20th/80th percentiles of the step, so host overhead counts) for the triton backend and, for
 comparison, eager and the compiled CUDA extension when built. The achieved bandwidth is
-``bytes_per_element × elements / median`` with SPEC.md's model (float32, no clipping: LAMB 40 B,
+``bytes_per_element × elements / median`` with docs/math.md's model (float32, no clipping: LAMB 40 B,
 LARS 28 B), next to the bandwidth this GPU reaches on a plain device-to-device copy.
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set before triton is
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fusedopt  # noqa: E402
 from fusedopt.backends import get_backend  # noqa: E402
 
-BYTES_PER_ELEMENT = {"lamb": 40, "lars": 28}  # SPEC.md, float32, no clipping
+BYTES_PER_ELEMENT = {"lamb": 40, "lars": 28}  # docs/math.md, float32, no clipping
 LR = {"lamb": 1e-3, "lars": 0.1}
 # name -> shapes: few large tensors, many small ones, and a ResNet-50-like mix
 WORKLOADS = {

@@ -137,7 +137,7 @@ def validate_lars_group(g: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class LambHyper:
-    """Host-side scalars of one LAMB param group (SPEC.md symbols)."""
+    """Host-side scalars of one LAMB param group (docs/math.md symbols)."""
 
     lr: float | torch.Tensor
     beta1: float
@@ -156,7 +156,7 @@ class LambHyper:
 
 @dataclass(frozen=True)
 class LarsHyper:
-    """Host-side scalars of one LARS param group (SPEC.md symbols)."""
+    """Host-side scalars of one LARS param group (docs/math.md symbols)."""
 
     lr: float | torch.Tensor
     momentum: float  # mu

@@ -10,7 +10,7 @@ the run slows all of them alike. The optimizers that allocate parameter-sized te
 step (our eager backend, timm's foreach optimizers) run in a second interleaved phase: freeing
 gigabytes slowed whichever step came next by up to a third on our CPU machine. For every
 optimizer it reports the median and the spread (interquartile range) of ms/step over the rounds,
-the achieved GB/s by SPEC.md's bytes model (LAMB 40 B/element, LARS 28, AdamW 28, momentum SGD
+the achieved GB/s by docs/math.md's bytes model (LAMB 40 B/element, LARS 28, AdamW 28, momentum SGD
 20, +4 with global clipping), and that as a fraction of the yardstick's GB/s. The last lines give
 the ratios the performance targets are stated in, against AdamW, timm and the eager backend.
 

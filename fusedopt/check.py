@@ -6,7 +6,7 @@
 
 For every device (the CPU and each CUDA device), every backend that can run there, LAMB and LARS,
 it steps a ``FusedLAMB`` / ``FusedLARS`` for a few steps on a set of params and compares the result
-with :mod:`fusedopt.reference` (README.md's "The math" in float64, one tensor at a time) fed the
+with :mod:`fusedopt.reference` (docs/math.md in float64, one tensor at a time) fed the
 same initial values and gradients. Every case has two param groups (the second with
 ``weight_decay=0, adapt=False``), a 0-size tensor, a 1-element tensor, odd sizes, tensors of
 several dimensions, a tensor spanning several chunks of every fused backend, a zero weight (the

@@ -41,7 +41,7 @@ import torch
 # --------------------------------------------------------------------------------------------
 # Hyper-parameters. Searched on the validation split (``--eval-on val``, 20% of the training
 # set, seeds 0 and 1), never on the test set; each tunable recipe got the same LR grid size,
-# see the README section "Large-batch training with fusedopt". Everything else is shared or set by the recipe's published rule.
+# see docs/large-batch.md. Everything else is shared or set by the recipe's published rule.
 # --------------------------------------------------------------------------------------------
 COMMON: dict[str, Any] = dict(
     epochs=30,            # same budget (epochs = examples seen) for every run

@@ -49,15 +49,12 @@ import torch.distributed as dist
 from . import backends as _backends
 
 if TYPE_CHECKING:
-    from .functional import Bucket
+    from ._bucket import Bucket
 
 __all__ = ["ShardedNormReducer", "accumulate", "enable_zero_global_clipping", "reducer_for"]
 
 T = TypeVar("T")
 
-_UNSET = object()
-# attribute of a fusedopt optimizer that holds the ZeRO process group (enable_zero_global_clipping)
-_ZERO_GROUP_ATTR = "_fusedopt_zero_group"
 
 
 def _dtensor_type():
@@ -189,14 +186,15 @@ def _flat_group(mesh, dims: tuple[int, ...]) -> list:
 class ShardedNormReducer:
     """:class:`~fusedopt.functional.SqSumReducer` for steps with DTensor params (see module doc).
 
-    Built per step by :func:`reducer_for`: ``bucket_params`` maps ``id(bucket)`` to the params of
-    its rows (DTensors, in row order), ``param_groups`` gives each param's group (whose backend
-    recomputes the few per-tensor sums that must not be counted twice in the clipping total).
+    Built per step by :func:`reducer_for` from the step's params (DTensors); the rows of each
+    bucket are matched to them through ``Bucket.sources``. ``param_groups`` gives each param's
+    group (whose backend recomputes the few per-tensor sums that must not be counted twice in the
+    clipping total).
     """
 
-    def __init__(self, bucket_params: dict[int, list[torch.Tensor]], param_groups, dtensor_type):
-        layouts = {id(p): _layout(p, dtensor_type)
-                   for params in bucket_params.values() for p in params}
+    def __init__(self, params: list[torch.Tensor], param_groups, dtensor_type):
+        self._dtensor_type = dtensor_type
+        layouts = {id(p): _layout(p, dtensor_type) for p in params}
         distinct = {id(lay): lay for lay in layouts.values()}  # memoized: few distinct objects
         meshes: dict[Any, set[int]] = {}  # sharded meshes in first-use order -> union of shard dims
         for lay in distinct.values():
@@ -204,20 +202,9 @@ class ShardedNormReducer:
                 meshes.setdefault(lay.mesh, set()).update(lay.shard_dims)
         self._mesh_dims = {m: tuple(sorted(d)) for m, d in meshes.items()}
 
-        # Trust sums: per bucket, per sharded mesh, the rows reduced over it and whether this rank
-        # contributes each (count once); rows of complete tensors are not communicated.
-        self._rows: dict[int, tuple[int, dict[Any, tuple[list[int], list[bool]]]]] = {}
-        primary = {i: lay.primary(self._mesh_dims[lay.mesh]) for i, lay in distinct.items()
-                   if lay.shard_dims and lay.coord is not None}
-        for bid, params in bucket_params.items():
-            per_mesh: dict[Any, tuple[list[int], list[bool]]] = {}
-            for j, p in enumerate(params):
-                lay = layouts[id(p)]
-                if lay.shard_dims and lay.coord is not None:
-                    idx, keep = per_mesh.setdefault(lay.mesh, ([], []))
-                    idx.append(j)
-                    keep.append(primary[id(lay)])
-            self._rows[bid] = (len(params), per_mesh)
+        self._layouts = layouts
+        self._primary = {i: lay.primary(self._mesh_dims[lay.mesh]) for i, lay in distinct.items()
+                         if lay.shard_dims and lay.coord is not None}
 
         # Clipping total: one all-reduce. With one sharded mesh, over the dims along which the
         # step's tensors are sharded; with several, over the default group.
@@ -235,8 +222,7 @@ class ShardedNormReducer:
             def counted(lay: _Layout) -> bool:
                 return world_first if lay.mesh is None else lay.primary(range(lay.mesh.ndim))
         is_counted = {i: counted(lay) for i, lay in distinct.items()}
-        uncounted = [p for params in bucket_params.values() for p in params
-                     if not is_counted[id(layouts[id(p)])]]
+        uncounted = [p for p in params if not is_counted[id(layouts[id(p)])]]
         group_of = {id(p): g for g in param_groups for p in g["params"]} if uncounted else {}
         self._uncounted = [(p, group_of[id(p)]) for p in uncounted]
 
@@ -263,12 +249,18 @@ class ShardedNormReducer:
         sharded mesh."""
         per_mesh: dict[Any, list[tuple[int, list[int], list[bool]]]] = {m: [] for m in self._mesh_dims}
         for k, b in enumerate(buckets):
-            n, rows = self._rows.get(id(b), (None, None))
-            if n != sums[k].shape[0]:
-                raise RuntimeError(
-                    "fusedopt.distributed: the rows of a bucket do not match the params recorded "
-                    "for it by the optimizer (_bucket_params)"
-                )
+            sources = b.sources if b.sources is not None else b.params
+            if len(sources) != sums[k].shape[0]:
+                raise RuntimeError("fusedopt.distributed: a bucket's sums do not match its rows")
+            rows: dict[Any, tuple[list[int], list[bool]]] = {}
+            for j, p in enumerate(sources):
+                lay = self._layouts.get(id(p))
+                if lay is None:
+                    lay = self._layouts[id(p)] = _layout(p, self._dtensor_type)
+                if lay.shard_dims and lay.coord is not None:
+                    idx, keep = rows.setdefault(lay.mesh, ([], []))
+                    idx.append(j)
+                    keep.append(self._primary[id(lay)])
             for mesh, (idx, keep) in rows.items():
                 per_mesh[mesh].append((k, idx, keep))
         for mesh, selections in per_mesh.items():
@@ -324,28 +316,21 @@ class _ZeroGradSqReducer:
         return None
 
 
-def reducer_for(optimizer) -> ShardedNormReducer | _ZeroGradSqReducer | None:
-    """The reducer of one step of a fusedopt optimizer (called by ``step()`` after it has built
-    its buckets): ZeRO's when :func:`enable_zero_global_clipping` was applied, the sharded one when
-    a param of the step is a DTensor with a ``Shard`` placement, else None (no communication)."""
-    zero_group = getattr(optimizer, _ZERO_GROUP_ATTR, _UNSET)
-    if zero_group is not _UNSET:
-        return _ZeroGradSqReducer(zero_group)
+def reducer_for(groups, param_groups) -> ShardedNormReducer | None:
+    """The reducer of one step over ``groups`` (:class:`fusedopt.functional.TensorGroup`, whose
+    ``sources`` hold the DTensor params): the sharded one when a param of the step is a DTensor
+    with a ``Shard`` placement, else None (no communication)."""
     if not dist.is_available() or not dist.is_initialized():
-        return None
-    bucket_params = getattr(optimizer, "_bucket_params", None)
-    if not bucket_params:
         return None
     dtensor_type = _dtensor_type()
     if dtensor_type is None:
         return None
-    sharded = any(
-        isinstance(p, dtensor_type) and any(pl.is_shard() for pl in p.placements)
-        for params in bucket_params.values() for p in params
-    )
+    params = [p for g in groups for p in (g.sources or ())]
+    sharded = any(isinstance(p, dtensor_type) and any(pl.is_shard() for pl in p.placements)
+                  for p in params)
     if not sharded:
         return None
-    return ShardedNormReducer(bucket_params, optimizer.param_groups, dtensor_type)
+    return ShardedNormReducer(params, param_groups, dtensor_type)
 
 
 # ------------------------------------------------------------------------------ ZeRO
@@ -367,12 +352,12 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
             "built (overlap_with_ddp=False); got "
             f"{type(zero_optimizer).__name__} without an 'optim' attribute"
         )
-    if not hasattr(inner, "_reducer"):
+    if not hasattr(inner, "set_grad_norm_reducer"):
         raise TypeError(
             f"enable_zero_global_clipping needs optimizer_class=fusedopt.FusedLAMB or FusedLARS; "
             f"the local optimizer is {type(inner).__name__}"
         )
-    setattr(inner, _ZERO_GROUP_ATTR, zero_optimizer.process_group)
+    inner.set_grad_norm_reducer(_ZeroGradSqReducer(zero_optimizer.process_group))
 
 
 # ------------------------------------------------------------------------------ DDP / FSDP2

@@ -1,89 +1,70 @@
-"""The functional layer: one trust-ratio step over buckets of tensors, shared by LAMB and LARS.
+"""The functional layer: LAMB and LARS steps over lists of tensors, in the manner of
+``torch.optim.adam.adam``.
 
-``FusedLAMB.step`` / ``FusedLARS.step`` only gather tensors into :class:`Bucket` objects and call
-:func:`trust_ratio_step`; this module sequences the phases of SPEC.md, each delegated to a backend:
+:func:`lamb` and :func:`lars` step one group of tensors with one set of hyper-parameters and are
+usable without the optimizer classes. :func:`trust_ratio_step` steps several
+:class:`TensorGroup` objects together: global gradient clipping spans them all, and a cross-rank
+reducer runs one collective per phase. ``FusedLAMB.step`` / ``FusedLARS.step`` gather each param
+group's lists and make one call to it.
 
-0. global gradient clipping (only if a group sets ``max_grad_norm``): per-tensor ``Σg²`` of every
-   grad of every group, ``G = sqrt(Σ)``, ``c = max(1, G / max_grad_norm)``;
-1. pass 1 per bucket (steps, LAMB moments, the two sums of squares of each trust ratio);
-2. the optional cross-rank reduction of those sums (sharded training: one collective per phase);
-3. pass 2 per bucket (trust ratios with the zero-norm rule, the update).
+A step runs the phases of docs/math.md, each delegated to a backend per :class:`Bucket` (tensors
+of one group that share device, param dtype and grad dtype):
 
-Nothing here reads a tensor value on the host.
+0. every check of every group, the backends resolved and their kernels prepared: a step that
+   raises has changed nothing;
+1. the grads' total ``Σg²`` when a group sets ``max_grad_norm`` or ``skip_nonfinite`` is on,
+   ``c = max(1, sqrt(Σ) / max_grad_norm)``;
+2. pass 1 per bucket (steps, LAMB moments, the two sums of squares of each trust ratio);
+3. the optional cross-rank reduction of those sums (sharded training);
+4. pass 2 per bucket (trust ratios with the zero-norm rule, the update).
+
+Nothing here reads a tensor value on the host, and under ``torch.compile`` the whole step traces
+into one graph: the fused backends are ``torch.ops.fusedopt`` operators with fake kernels.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from . import backends as _backends
-from ._hyper import LambHyper, LarsHyper
+from ._bucket import Bucket, bias_correction, compute_dtype
+from ._hyper import (LambHyper, LarsHyper, check_backend_name, lamb_hyper, lars_hyper,
+                     validate_lamb_group, validate_lars_group)
+from .flat import _dense_layout
 
-
-def compute_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """Math runs in float64 for float64 params and in float32 for every other storage dtype."""
-    return torch.float64 if param_dtype == torch.float64 else torch.float32
-
-
-def bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
-    """``1 - beta**t``, evaluated in float64 (the C++ and Triton backends use the same formula)."""
-    return 1.0 - torch.pow(beta, step.to(torch.float64))
+__all__ = ["Bucket", "SqSumReducer", "TensorGroup", "bias_correction", "compute_dtype", "lamb",
+           "lars", "sq_norms", "trust_ratio_step"]
 
 
 @dataclass
-class Bucket:
-    """Tensors of one param group that share device, param dtype and grad dtype.
+class TensorGroup:
+    """One group of tensors stepped with one set of hyper-parameters.
 
-    ``params`` are the stored parameters (the local shard for DTensors); when ``masters`` is given
-    the math reads and writes the fp32 masters and ``params`` receive the result rounded to
-    nearest even. State lists are None when the optimizer does not use them.
+    The lists are aligned: entry ``i`` of each belongs to ``params[i]``. ``masters`` holds the
+    fp32 master weight of each param, or None where the param is its own weight (None as a whole:
+    no masters). ``exp_avgs``/``exp_avg_sqs`` are LAMB's, ``momentum_buffers`` LARS's.
     """
 
+    hyper: LambHyper | LarsHyper
     params: list[torch.Tensor]
-    # None when the backend took the grads itself (Backend.take_cached_grads, cached buckets only)
-    grads: list[torch.Tensor] | None
+    grads: list[torch.Tensor]
     steps: list[torch.Tensor]
     exp_avgs: list[torch.Tensor] | None = None
     exp_avg_sqs: list[torch.Tensor] | None = None
     momentum_buffers: list[torch.Tensor] | None = None
-    masters: list[torch.Tensor] | None = None
-    # (original, contiguous stand-in) pairs written back after pass 2, for strided tensors
-    writeback: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # backend-private data carried from pass 1 to pass 2 (e.g. eager's update direction)
-    scratch: dict = field(default_factory=dict)
-    # backend-private data kept across steps while every list but ``grads`` stays the same objects
-    # (the optimizer's plan cache hands the same dict to each step's bucket); None: a one-off bucket
-    persistent: dict | None = None
-    # backend-private data that lives as long as the optimizer, one dict per param group and
-    # (device, param dtype, grad dtype), whatever the lists hold; whatever a backend keeps there
-    # it validates on use (the Triton backend's pointer tables). None: a one-off bucket
-    workspace: dict | None = None
-    # the group's ``backend`` option: "auto" lets a backend that fails to compile hand the bucket
-    # to the next one (Backend.prepare)
-    requested_backend: str = "auto"
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.params[0].dtype
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return self.grads[0].dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return compute_dtype(self.param_dtype)
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        """The tensors the math reads as ``w``: fp32 masters when present, else the params."""
-        return self.masters if self.masters is not None else self.params
+    masters: list[torch.Tensor | None] | None = None
+    # a backend name of fusedopt.backends.resolve, or a Backend object used as it is
+    backend: str | _backends.Backend = "auto"
+    # params as the caller holds them when ``params`` are their local shards (DTensors)
+    sources: list[torch.Tensor] | None = None
+    # Note [list cache] in fusedopt/optim.py: a dict the caller keeps while it passes these very
+    # list objects again; the step keeps its buckets there. None: build them every call
+    cache: dict | None = None
+    # a dict per group that lives as long as the caller (backend tables, Bucket.workspace)
+    workspaces: dict | None = None
 
 
 class SqSumReducer(Protocol):
@@ -115,38 +96,105 @@ def sq_norms(tensors: Sequence[torch.Tensor], backend: str = "auto") -> torch.Te
     return out
 
 
-def _grad_multipliers(plan, hypers, grad_scale, reducer):
-    """Per-bucket ``grad_mult = 1 / (scale · c)`` as 0-dim device tensors (None when it is 1)."""
-    clip = any(h.max_grad_norm is not None for h in hypers)
-    total = None
-    if clip:
-        parts = []
-        dev0 = plan[0][1][0][1].device
-        for _, entries in plan:
-            for be, b in entries:
-                parts.append(be.grad_sq_norms(b).to(dev0, torch.float64).sum())
-        total = torch.stack(parts).sum()
-        if reducer is not None:
-            reducer.reduce_grad_sq(total)
-    mults = []
-    for h, (_, entries) in zip(hypers, plan):
-        row = []
-        for be, b in entries:
-            dev = b.device
-            m = None
-            if grad_scale is not None:
-                m = grad_scale.to(dev, torch.float64).reciprocal()
-            if h.max_grad_norm is not None:
-                g_norm = total.to(dev).sqrt()
-                if m is not None:
-                    g_norm = g_norm * m  # G of the unscaled gradients
-                c = torch.clamp(g_norm / h.max_grad_norm, min=1.0)
-                m = c.reciprocal() if m is None else m / c
-            row.append(None if m is None else m.to(b.compute_dtype))
-        mults.append(row)
-    return mults
+# ------------------------------------------------------------------------------- checks
+def _name(kind: str) -> str:
+    return "FusedLAMB" if kind == "lamb" else "FusedLARS"
 
 
+def check_tensors(kind: str, gi: int, params: list[torch.Tensor], grads: list[torch.Tensor]):
+    """Raise on params and grads that no backend can step, naming the group; return the group's
+    (devices, param dtypes, grad dtypes). Set-based: cheap for thousands of tensors."""
+    name = _name(kind)
+    if len(params) != len(grads):
+        raise ValueError(f"{name}: param group {gi} has {len(params)} params but {len(grads)} grads")
+    if any(lay is not torch.strided for lay in {t.layout for t in grads}):
+        raise RuntimeError(f"{name} does not support sparse gradients (param group {gi})")
+    p_dtypes, g_dtypes = {t.dtype for t in params}, {t.dtype for t in grads}
+    for what, dtypes in (("params", p_dtypes), ("grads", g_dtypes)):
+        if not all(d.is_floating_point for d in dtypes):
+            kinds = "complex" if any(d.is_complex for d in dtypes) else "non-floating-point"
+            raise RuntimeError(f"{name} does not support {kinds} {what} (param group {gi}: "
+                               f"{sorted(map(str, dtypes))})")
+    devices = {t.device for t in params}
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"params of one group must be on one device; param group {gi} has params on "
+            f"{sorted(str(d) for d in devices)}")
+    if {t.device for t in grads} != devices:
+        raise RuntimeError(f"{name}: param group {gi} has grads on another device than its params")
+    return devices, p_dtypes, g_dtypes
+
+
+# ------------------------------------------------------------------------------ buckets
+def _buckets(kind: str, gi: int, g: TensorGroup) -> list[tuple[_backends.Backend, Bucket]]:
+    """The group's (backend, bucket) pairs; raises before anything is modified."""
+    cache = g.cache
+    if cache is not None:
+        hit = cache.get("buckets")
+        if hit is not None and hit[0] is g.params and hit[1] == g.backend:
+            be, template, grad_dtype = hit[2]
+            b = dataclasses.replace(template, grads=g.grads, scratch={}, writeback=[])
+            if be.accepts_grads(b, grad_dtype):
+                return [(be, b)]
+    devices, p_dtypes, g_dtypes = check_tensors(kind, gi, g.params, g.grads)
+    for p, gr in zip(g.params, g.grads):
+        if p.shape != gr.shape:
+            raise RuntimeError(f"{_name(kind)}: param group {gi} has a grad of shape "
+                               f"{tuple(gr.shape)} for a param of shape {tuple(p.shape)}")
+    if len(p_dtypes) == 1 and len(g_dtypes) == 1:
+        keys = {(*devices, *p_dtypes, *g_dtypes): range(len(g.params))}
+    else:
+        keys = {}
+        for i, (p, gr) in enumerate(zip(g.params, g.grads)):
+            keys.setdefault((p.device, p.dtype, gr.dtype), []).append(i)
+    out = []
+    for key, idx in keys.items():
+        be = g.backend if isinstance(g.backend, _backends.Backend) else _backends.resolve(
+            g.backend, *key)
+        out.append((be, _bucket(g, list(idx), key)))
+    if cache is not None:
+        cache.pop("buckets", None)
+        if len(out) == 1 and not out[0][1].writeback:
+            be, b = out[0]
+            cache["buckets"] = (g.params, g.backend,
+                                (be, dataclasses.replace(b, grads=[]), b.grad_dtype))
+            b.handles = cache.setdefault("handles", {})
+    return out
+
+
+def _bucket(g: TensorGroup, idx: list[int], key) -> Bucket:
+    """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
+    step) for any row whose tensors do not share one dense layout."""
+    def pick(xs):
+        return None if xs is None else [xs[i] for i in idx]
+
+    masters = pick(g.masters)
+    if masters is not None and any(m is None for m in masters):
+        if not all(m is None for m in masters):
+            raise RuntimeError("fusedopt: params of one dtype must all have masters or none")
+        masters = None
+    b = Bucket(params=pick(g.params), grads=pick(g.grads), steps=pick(g.steps),
+               exp_avgs=pick(g.exp_avgs), exp_avg_sqs=pick(g.exp_avg_sqs),
+               momentum_buffers=pick(g.momentum_buffers), masters=masters, sources=pick(g.sources),
+               requested_backend=getattr(g.backend, "name", g.backend))
+    if g.workspaces is not None:
+        b.workspace = g.workspaces.setdefault(key, {})
+    rows = [b.params, b.grads] + [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers,
+                                                 b.masters) if xs is not None]
+    if all(x.is_contiguous() for xs in rows for x in xs):
+        return b
+    for i, p in enumerate(b.params):
+        if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in rows):
+            continue
+        for j, xs in enumerate(rows):
+            stand_in = xs[i].contiguous()
+            if j != 1:  # grads are only read
+                b.writeback.append((xs[i], stand_in))
+            xs[i] = stand_in
+    return b
+
+
+# --------------------------------------------------------------------------------- step
 def _prepared(kind: str, plan, has_scale: bool, has_found_inf: bool):
     """The plan after every backend has prepared (compiled) what this step launches, before any
     tensor is touched. A bucket whose group asked for ``"auto"`` goes to the next backend of
@@ -171,25 +219,73 @@ def _prepared(kind: str, plan, has_scale: bool, has_found_inf: bool):
     return out
 
 
+def _grad_total(plan, reducer) -> torch.Tensor:
+    """Σg² of every grad of the step, a float64 0-dim tensor on the first bucket's device."""
+    dev0 = plan[0][1][0][1].device
+    parts = [be.grad_sq_norms(b).to(dev0, torch.float64).sum()
+             for _, entries in plan for be, b in entries]
+    total = torch.stack(parts).sum()
+    if reducer is not None:
+        reducer.reduce_grad_sq(total)
+    return total
+
+
+def _grad_multipliers(plan, total, grad_scale):
+    """Per-bucket ``grad_mult = 1 / (scale · c)`` as 0-dim device tensors (None when it is 1)."""
+    mults = []
+    for h, entries in plan:
+        row = []
+        for _, b in entries:
+            dev = b.device
+            m = None
+            if grad_scale is not None:
+                m = grad_scale.to(dev, torch.float64).reciprocal()
+            if h.max_grad_norm is not None:
+                g_norm = total.to(dev).sqrt()
+                if m is not None:
+                    g_norm = g_norm * m  # G of the unscaled gradients
+                c = torch.clamp(g_norm / h.max_grad_norm, min=1.0)
+                m = c.reciprocal() if m is None else m / c
+            row.append(None if m is None else m.to(b.compute_dtype))
+        mults.append(row)
+    return mults
+
+
 def trust_ratio_step(
     kind: str,
-    plan: list[tuple[LambHyper | LarsHyper, list[tuple[_backends.Backend, Bucket]]]],
+    groups: Sequence[TensorGroup],
     *,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     reducer: SqSumReducer | None = None,
+    skip_nonfinite: bool = False,
+    skipped_steps: torch.Tensor | None = None,
 ) -> None:
-    """Run one LAMB (``kind="lamb"``) or LARS (``kind="lars"``) step over the plan.
+    """Run one LAMB (``kind="lamb"``) or LARS (``kind="lars"``) step over ``groups``.
 
-    ``plan`` holds, per param group, its host-side scalars and its (backend, bucket) pairs.
-    ``grad_scale``/``found_inf`` follow GradScaler's optimizer protocol.
+    ``grad_scale``/``found_inf`` follow GradScaler's optimizer protocol (the grads are unscaled as
+    they are read; a nonzero ``found_inf`` makes the step a no-op). ``skip_nonfinite``: a step
+    whose grads hold inf or nan (their total ``Σg²`` is not finite) changes nothing, decided on
+    the device; ``skipped_steps`` (a tensor) is then incremented. ``reducer`` completes per-rank
+    sums in sharded training (:mod:`fusedopt.distributed`).
     """
-    plan = [(h, entries) for h, entries in plan if entries]
+    if kind not in ("lamb", "lars"):
+        raise ValueError(f"kind must be 'lamb' or 'lars', got {kind!r}")
+    plan = [(g.hyper, _buckets(kind, gi, g)) for gi, g in enumerate(groups) if g.params]
     if not plan:
         return
-    plan = _prepared(kind, plan, grad_scale is not None, found_inf is not None)
-    hypers = [h for h, _ in plan]
-    mults = _grad_multipliers(plan, hypers, grad_scale, reducer)
+    plan = _prepared(kind, plan, grad_scale is not None, found_inf is not None or skip_nonfinite)
+    total = None
+    if skip_nonfinite or any(h.max_grad_norm is not None for h, _ in plan):
+        total = _grad_total(plan, reducer)
+    if skip_nonfinite:
+        bad = torch.isinf(total) | torch.isnan(total)
+        if skipped_steps is not None:
+            skipped_steps.add_(bad.to(skipped_steps.device, skipped_steps.dtype))
+        bad = bad.to(torch.float32)
+        found_inf = bad if found_inf is None else torch.maximum(
+            found_inf.to(bad.device, torch.float32), bad)
+    mults = _grad_multipliers(plan, total, grad_scale)
 
     def inf_on(dev):
         return None if found_inf is None else found_inf.to(dev, torch.float32)
@@ -198,10 +294,7 @@ def trust_ratio_step(
     for (h, entries), row in zip(plan, mults):
         for (be, b), gm in zip(entries, row):
             fi = inf_on(b.device)
-            if kind == "lamb":
-                sums = be.lamb_pass1(b, h, gm, fi)
-            else:
-                sums = be.lars_pass1(b, h, gm, fi)
+            sums = be.lamb_pass1(b, h, gm, fi) if kind == "lamb" else be.lars_pass1(b, h, gm, fi)
             all_buckets.append(b)
             all_sums.append(sums)
     if reducer is not None:
@@ -217,3 +310,124 @@ def trust_ratio_step(
             k += 1
             for orig, stand_in in b.writeback:
                 orig.copy_(stand_in)
+
+
+# ----------------------------------------------------------------------- public functions
+def _masters_list(masters, n):
+    if masters is None:
+        return None
+    masters = list(masters)
+    if len(masters) != n:
+        raise ValueError(f"masters has {len(masters)} entries for {n} params")
+    return masters
+
+
+@torch.no_grad()
+def lamb(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    masters: Sequence[torch.Tensor | None] | None = None,
+    lr: float | torch.Tensor = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    max_grad_norm: float | None = None,
+    trust_ratio_bounds: tuple[float, float] | None = None,
+    decoupled_weight_decay: bool = False,
+    adapt: bool = True,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    skip_nonfinite: bool = False,
+    skipped_steps: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """One LAMB step over lists of tensors, in place (the math of :class:`fusedopt.FusedLAMB`).
+
+    ``steps`` are float32 0-dim tensors on each param's device (incremented by the step);
+    ``exp_avgs``/``exp_avg_sqs`` are in the compute dtype (float64 for float64 params, else
+    float32); ``masters`` optionally gives fp32 master weights of bf16/fp16 params (None entries
+    for params without). Options are those of the class. Example::
+
+        steps = [torch.zeros(()) for _ in params]
+        m = [torch.zeros_like(p) for p in params]; v = [torch.zeros_like(p) for p in params]
+        fusedopt.functional.lamb(params, [p.grad for p in params], m, v, steps, lr=1e-3)
+    """
+    opts = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                bias_correction=bias_correction, grad_averaging=grad_averaging,
+                max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
+                decoupled_weight_decay=decoupled_weight_decay, adapt=adapt)
+    validate_lamb_group(opts)
+    check_backend_name(backend)
+    params = list(params)
+    g = TensorGroup(lamb_hyper(opts), params, list(grads), list(steps), exp_avgs=list(exp_avgs),
+                    exp_avg_sqs=list(exp_avg_sqs), masters=_masters_list(masters, len(params)),
+                    backend=backend)
+    _check_lengths(g)
+    trust_ratio_step("lamb", [g], grad_scale=grad_scale, found_inf=found_inf,
+                     skip_nonfinite=skip_nonfinite, skipped_steps=skipped_steps)
+
+
+@torch.no_grad()
+def lars(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    masters: Sequence[torch.Tensor | None] | None = None,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    eps: float = 1e-8,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+    trust_clip: bool = False,
+    denominator: str = "sum",
+    lr_in_momentum: bool = True,
+    max_grad_norm: float | None = None,
+    adapt: bool = True,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    skip_nonfinite: bool = False,
+    skipped_steps: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """One LARS step over lists of tensors, in place (the math of :class:`fusedopt.FusedLARS`);
+    see :func:`lamb` for ``steps``, ``masters`` and the GradScaler arguments."""
+    opts = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+                dampening=dampening, trust_clip=trust_clip, denominator=denominator,
+                lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt)
+    validate_lars_group(opts)
+    check_backend_name(backend)
+    params = list(params)
+    g = TensorGroup(lars_hyper(opts), params, list(grads), list(steps),
+                    momentum_buffers=list(momentum_buffers),
+                    masters=_masters_list(masters, len(params)), backend=backend)
+    _check_lengths(g)
+    trust_ratio_step("lars", [g], grad_scale=grad_scale, found_inf=found_inf,
+                     skip_nonfinite=skip_nonfinite, skipped_steps=skipped_steps)
+
+
+def _check_lengths(g: TensorGroup) -> None:
+    n = len(g.params)
+    for name in ("grads", "steps", "exp_avgs", "exp_avg_sqs", "momentum_buffers"):
+        xs = getattr(g, name)
+        if xs is not None and len(xs) != n:
+            raise ValueError(f"{name} has {len(xs)} entries for {n} params")
+    for name in ("steps", "exp_avgs", "exp_avg_sqs", "momentum_buffers"):
+        xs = getattr(g, name)
+        if xs is None:
+            continue
+        for i, (x, p) in enumerate(zip(xs, g.params)):
+            want = () if name == "steps" else p.shape
+            if not isinstance(x, torch.Tensor) or x.shape != want or x.device != p.device:
+                raise ValueError(f"{name}[{i}] must be a tensor of shape {tuple(want)} on "
+                                 f"{p.device}, got {x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.device)}")

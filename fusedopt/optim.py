@@ -1,20 +1,21 @@
 """``FusedLAMB`` and ``FusedLARS``: thin ``torch.optim.Optimizer`` subclasses.
 
-``step()`` validates and gathers tensors into buckets, then calls
-:func:`fusedopt.functional.trust_ratio_step`; it holds no math.
+``step()`` gathers each param group's lists (``_init_group``, creating state on first use) and
+makes one call to :func:`fusedopt.functional.trust_ratio_step`; it holds no math.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
-from operator import attrgetter, is_, methodcaller
+from itertools import chain
+from operator import is_
 from typing import Any, Callable
 
 import torch
 from torch.optim import Optimizer
 
-from . import _identity
 from . import backends as _backends
+from ._bucket import compute_dtype
 from ._hyper import (
     LAMB_DEFAULTS,
     LARS_DEFAULTS,
@@ -24,21 +25,11 @@ from ._hyper import (
     validate_lamb_group,
     validate_lars_group,
 )
-from .flat import _aligned_offsets, _dense_layout
-from .functional import Bucket, compute_dtype, trust_ratio_step
+from ._state import OptimizerState
+from .flat import _aligned_offsets
+from .functional import TensorGroup, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-_DEVICE = attrgetter("device")
-_DTYPE = attrgetter("dtype")
-_LAYOUT = attrgetter("layout")
-_SHAPE = attrgetter("shape")
-_CONTIGUOUS = methodcaller("is_contiguous")
-
-
-def _any_dtensor(ts: list[torch.Tensor]) -> bool:
-    return any(hasattr(t, "to_local") for t in ts)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -55,49 +46,57 @@ def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
 
 
 @dataclass
-class _GroupCache:
-    """What a param group's single bucket was built from, reused while nothing changed.
+class _Lists:
+    """A param group's lists as the last step gathered them (Note [list cache])."""
 
-    Note [plan cache]: gathering thousands of tensors into lists costs Python time on every step.
-    A group whose params with grads, state dicts, state tensors, dtypes and options are the same
-    objects as at the last step, with contiguous tensors throughout, reuses the lists of the last
-    step and only takes the new grads, which its backend checks (``Backend.fits_cached_bucket``:
-    dtype, layout). Anything else takes the full path, which validates and rebuilds: a state dict
-    or a state tensor replaced or deleted by hand, ``load_state_dict``, another backend option.
-    The cached buckets share one ``persistent`` dict, where a backend may keep a native handle of
-    the lists (the cpp backend's BucketLists, Note [static lists] in csrc/cpu/ops.h). When the
-    cached bucket holds every param of its group, such a backend may also read the grads itself
-    (``Backend.take_cached_grads``): the step then builds no Python list of grads at all.
-    """
-
-    params: list[torch.Tensor]
-    state: Any  # the optimizer's state mapping the lists came from
-    states: list[dict[str, Any]]
-    options: tuple  # (backend, master_weights) of the group
-    p_dtype: torch.dtype
-    g_dtype: torch.dtype
-    backend: _backends.Backend
-    lists: dict[str, list[torch.Tensor]]  # Bucket fields except grads
-    persistent: dict  # the buckets' ``persistent`` dict (backend handles of the lists)
-    whole_group: bool  # every param of the group is in the bucket (none was without a grad)
-    # (state keys, the lists of their tensors): what each param's state dict must still hold
-    state_entries: tuple[tuple[str, ...], tuple[list[torch.Tensor], ...]]
+    edits: int  # OptimizerState.edits when gathered
+    params: list  # group["params"] as it was (the list object) ...
+    members: tuple  # ... and its items
+    options: tuple  # (backend, master_weights)
+    with_grad: tuple[bool, ...] | None  # which params had a grad (None: all)
+    group: TensorGroup  # grads left to fill in
 
 
 class _TrustRatioOptimizer(Optimizer):
-    """Shared machinery of LAMB and LARS: validation, state, buckets, dispatch."""
+    """Shared machinery of LAMB and LARS: validation, state, gathering, dispatch.
+
+    Note [list cache]: gathering thousands of tensors into lists costs Python time on every step,
+    and the cpp backend keeps a native handle of a bucket's lists (Note [static lists] in
+    csrc/cpu/ops.h). So a group's lists are kept, with a ``cache`` dict in which the functional
+    layer keeps its buckets and the backends their handles, and reused while
+    * the state mapping saw no edit (``OptimizerState.edits``: a state dict or state tensor
+      replaced or removed, ``load_state_dict``; ``add_param_group`` and ``__setstate__`` clear the
+      cache outright),
+    * ``group["params"]`` holds the same params, the same ones have grads, and the group's
+      ``backend`` and ``master_weights`` are unchanged.
+    Each step then gathers only ``[p.grad for p in params]``; the backend checks the grads fit
+    (``Backend.accepts_grads``). Under ``torch.compile`` no cache is used: ``_init_group`` runs
+    at trace time and the graph's guards play its part.
+    """
 
     _kind: str
     _state_keys: tuple[str, ...]
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, defaults: dict[str, Any]):
+    def __init__(self, params, defaults: dict[str, Any], skip_nonfinite: bool = False):
+        if not isinstance(skip_nonfinite, bool):
+            raise ValueError(f"Invalid skip_nonfinite: {skip_nonfinite!r}; expected True or False")
+        self.skip_nonfinite = skip_nonfinite
+        self._reducer = None
         super().__init__(params, defaults)
-        self._plan_cache: dict[int, _GroupCache] = {}
-        self._state_seen: tuple | None = None  # see _state_as_seen
-        self._state_same = False
-        self._workspaces: dict[tuple, dict] = {}  # see _attach
+        self.state = OptimizerState(self.state)
+        self._fresh()
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        device = _local(first).device if first is not None else torch.device("cpu")
+        #: steps skipped by ``skip_nonfinite`` since construction (an int64 tensor, never read on
+        #: the host by the optimizer)
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+
+    def _fresh(self) -> None:
+        self._lists: dict[int, _Lists] = {}
+        self._workspaces: dict[int, dict] = {}
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- groups
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -117,16 +116,37 @@ class _TrustRatioOptimizer(Optimizer):
         if mw is not None and not isinstance(mw, bool):
             raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
         super().add_param_group(param_group)
+        if hasattr(self, "_lists"):
+            self._lists.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        out = super().__getstate__()
+        out["state"] = self.state.plain()
+        out["skip_nonfinite"] = self.skip_nonfinite
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["state"] = {k: dict(v) for k, v in out["state"].items()}
+        return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._plan_cache = {}
-        self._state_seen = None
-        self._state_same = False
-        self._workspaces = {}
+        self.state = OptimizerState(self.state)
+        self.__dict__.setdefault("skip_nonfinite", False)
+        self.__dict__.setdefault("_reducer", None)
+        if "skipped_steps" not in self.__dict__:
+            self.skipped_steps = torch.zeros((), dtype=torch.int64)
+        self._fresh()
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
+
+    def set_grad_norm_reducer(self, reducer) -> None:
+        """Use ``reducer`` (a :class:`fusedopt.functional.SqSumReducer`, or None) to complete the
+        clipping total across ranks at every step, e.g.
+        :func:`fusedopt.distributed.enable_zero_global_clipping`."""
+        self._reducer = reducer
 
     # ----------------------------------------------------------------- state
     def _uses_master(self, group: dict[str, Any], p: torch.Tensor) -> bool:
@@ -139,16 +159,14 @@ class _TrustRatioOptimizer(Optimizer):
         Note [flat state]: the state of the plain contiguous params of one (device, dtype) among
         ``ps`` lives in one buffer per state key: each param's ``exp_avg`` (``exp_avg_sq``,
         ``momentum_buffer``, ``master_param``) lies in its key's buffer, starting on a 64-byte
-        boundary, and its ``step`` in one float32 buffer. The fused backends then
-        stream each state list as (nearly) one array, and the step counts of thousands of
-        tensors share a few cache lines instead of one allocation each: a cpp LAMB step over
-        4000 tensors of 2,500 elements ran ~12% faster than with one allocation per tensor
-        (LARS ~8%; BERT-base shapes unchanged). Each is a tensor of its own on the shared storage
-        (``set_``, as ``torch.load`` rebuilds tensors), not a view: it has its own version counter,
-        so a step bumps each written tensor's version once, as before. ``torch.save`` of the whole
-        state dict writes each buffer once and ``torch.load`` restores the sharing;
-        torch.distributed.checkpoint writes each tensor's own elements. Saving one state tensor
-        alone writes its whole buffer (as for a view).
+        boundary, and its ``step`` in one float32 buffer. The fused backends then stream each
+        state list as (nearly) one array, and the step counts of thousands of tensors share a
+        few cache lines instead of one allocation each (docs/performance.md measures it). Each
+        is a tensor of its own on the shared storage (``set_``, as ``torch.load`` rebuilds
+        tensors), not a view: it has its own version counter, so a step bumps each written
+        tensor's version once. ``torch.save`` of the whole state dict writes each buffer once and
+        ``torch.load`` restores the sharing; torch.distributed.checkpoint writes each tensor's
+        own elements. Saving one state tensor alone writes its whole buffer (as for a view).
         DTensor shards (sharded training) and non-contiguous params get tensors of their own.
         """
         flat: dict[tuple, list[torch.Tensor]] = {}
@@ -186,199 +204,112 @@ class _TrustRatioOptimizer(Optimizer):
             state["master_param"] = p.detach().to(torch.float32, copy=True)
 
     # ----------------------------------------------------------------- step
-    def _check_group(self, gi: int, ps: list[torch.Tensor], gs: list[torch.Tensor]):
-        """Raise on bad input of one group before anything is modified; return the group's
-        (devices, param dtypes, grad dtypes). Set-based: cheap for thousands of tensors. Shapes and
-        grad devices need no check: torch's ``.grad`` setter and autograd guarantee they match the
-        param (the compiled backends check numel and strides again)."""
+    def _init_group(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
+                    masters, sources) -> bool:
+        """Append the group's params that have grads, and their tensors, to the lists (torch's
+        ``_init_group`` shape: ``torch.compile`` runs it at trace time); create missing state.
+        Params are the local shards of DTensors (``sources`` then holds the DTensors). Raises,
+        with nothing changed, on what no backend can step. Returns whether params are sharded."""
+        from .functional import check_tensors
+
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        ps = [p for p in group["params"] if p.grad is not None]
+        if not ps:
+            return False
+        sharded = any(hasattr(p, "to_local") for p in ps)
+        lps = [_local(p) for p in ps] if sharded else ps
+        lgs = [_local(p.grad) for p in ps]
+        check_tensors(self._kind, gi, lps, lgs)
+        # resolved here, before any state exists, so that a refused backend changes nothing (and
+        # loaded here, outside what torch.compile traces)
+        for key in {(p.device, p.dtype, g.dtype) for p, g in zip(lps, lgs)}:
+            _backends.resolve(group["backend"], *key)
+        if len(set(map(id, ps))) != len(ps):
+            raise ValueError(f"{type(self).__name__}: param group {gi} holds the same param twice")
+        fresh = [p for p in ps if not self.state.get(p)]
+        if fresh:
+            self._init_states(group, fresh)
         name = type(self).__name__
-        if any(lay is not torch.strided for lay in set(map(_LAYOUT, gs))):
-            raise RuntimeError(f"{name} does not support sparse gradients (param group {gi})")
-        p_dtypes, g_dtypes = set(map(_DTYPE, ps)), set(map(_DTYPE, gs))
-        dtypes = p_dtypes | g_dtypes
-        if any(d.is_complex for d in dtypes):
-            raise RuntimeError(f"{name} does not support complex params (param group {gi}: {sorted(map(str, dtypes))})")
-        if not all(d.is_floating_point for d in dtypes):
-            raise RuntimeError(
-                f"{name} needs floating-point params and grads (param group {gi}: {sorted(map(str, dtypes))})"
-            )
-        devices = set(map(_DEVICE, ps))
-        if len(devices) > 1:
-            raise RuntimeError(
-                f"params of one group must be on one device; param group {gi} has params on "
-                f"{sorted(str(d) for d in devices)}"
-            )
-        return devices, p_dtypes, g_dtypes
-
-    def _cached(self, gi: int, group: dict[str, Any], ps, gs) -> _GroupCache | None:
-        """The group's cache entry if it still describes ``ps`` and can take ``gs`` (see Note
-        [plan cache])."""
-        c = self._unchanged(gi, group, ps)
-        if c is None or not c.backend.fits_cached_bucket(c.persistent, ps, gs, c.p_dtype, c.g_dtype):
-            return None
-        return c
-
-    def _natively_cached(self, gi: int, group: dict[str, Any]) -> _GroupCache | None:
-        """The group's cache entry if it holds every param of the group, its backend took the
-        grads natively (``Backend.take_cached_grads``: no Python list of grads), and nothing
-        changed. The backend is asked first: one that cannot take grads costs nothing here, and the
-        identity checks run once per step, in ``_cached`` otherwise. Grads taken for an entry that
-        turns out stale go with it when the full path rebuilds the cache."""
-        c = self._plan_cache.get(gi)
-        if c is None or not c.whole_group or not c.backend.take_cached_grads(c.persistent, c.g_dtype):
-            return None
-        return self._unchanged(gi, group, group["params"])
-
-    def _unchanged(self, gi: int, group: dict[str, Any], ps) -> _GroupCache | None:
-        """The group's cache entry if ``ps``, their state and the group's options are the objects
-        it was built from."""
-        c = self._plan_cache.get(gi)
-        if (c is None or c.state is not self.state
-                or c.options != (group["backend"], group["master_weights"])
-                or not _identity.items_are(ps, c.params)):
-            return None
-        # a param's state dict replaced or deleted (opt.state[p] = {...}; del opt.state[p]), then
-        # a state tensor replaced or removed inside it
-        if not self._state_same and not all(map(is_, map(self.state.__getitem__, ps), c.states)):
-            return None
-        if not _identity.entries_are(c.states, *c.state_entries):
-            return None
-        return c
-
-    def _remember(self, gi, group, ps, states, backend, b: Bucket) -> None:
-        lists = {k: v for k, v in vars(b).items() if isinstance(v, list) and k not in ("grads", "writeback")}
-        # the state keys whose tensors the lists hold, and those lists
-        keyed = [(name, lists.get("masters" if name == "master_param" else name + "s"))
-                 for name in self._state_keys + ("step", "master_param")]
-        keyed = [(name, ts) for name, ts in keyed if ts is not None]
-        b.persistent = {}
-        self._plan_cache[gi] = _GroupCache(
-            params=ps, state=self.state, states=states,
-            options=(group["backend"], group["master_weights"]), p_dtype=b.param_dtype,
-            g_dtype=b.grad_dtype, backend=backend, lists=lists, persistent=b.persistent,
-            whole_group=len(ps) == len(group["params"]),
-            state_entries=(tuple(n for n, _ in keyed), tuple(ts for _, ts in keyed)))
-
-    def _state_as_seen(self) -> bool:
-        """Whether ``self.state`` holds the same params and state dicts, in the same order, as
-        when the last plan was built: then every cache entry's ``states`` still are the state
-        dicts of its params (each entry was checked or made by that plan). One identity scan of
-        the mapping's items, without hashing the params (a tensor's ``__hash__`` is a Python
-        call): ~1 ms to look up every param of 4000, ~0.2 ms for the scan in Python, ~0.04 ms in
-        C++ (fusedopt._identity; cold caches, measured)."""
-        seen, st = self._state_seen, self.state
-        return seen is not None and seen[0] is st and _identity.dict_items_are(st, seen[1], seen[2])
-
-    def _build_plan(self):
-        same = self._state_same = self._state_as_seen()
-        if not same:
-            self._state_seen = None  # until a plan is built from the state as it is now
-        try:
-            plan = self._plan_groups()
-        finally:
-            self._state_same = False
-        if not same:
-            self._state_seen = (self.state, list(self.state.keys()), list(self.state.values()))
-        return plan
-
-    def _plan_groups(self):
-        staged = []
-        for gi, group in enumerate(self.param_groups):
-            native = self._natively_cached(gi, group)
-            if native is not None:  # grads taken by the backend: grads=None
-                staged.append((group, native, None, None, None, None))
-                continue
-            gs = [p.grad for p in group["params"]]
-            if any(map(is_, gs, repeat(None))):  # skip params without grads
-                has = [g is not None for g in gs]
-                ps, gs = list(compress(group["params"], has)), list(compress(gs, has))
+        for p, lp in zip(ps, lps):
+            st = self.state[p]
+            master = self._uses_master(group, lp)
+            missing = [k for k in ("step", *self._state_keys, *(("master_param",) if master else ()))
+                       if not isinstance(st.get(k), torch.Tensor)]
+            if missing:
+                j = next(k for k, q in enumerate(group["params"]) if q is p)
+                raise RuntimeError(
+                    f"{name}: param {j} of param group {gi} "
+                    f"has no state tensor {missing[0]!r} (a state dict of another optimizer, or "
+                    f"master weights switched on after steps?)")
+            if not master and "master_param" in st:
+                del st["master_param"]  # stale: the param itself is the weight from now on
+        for p, lp in zip(ps, lps):
+            st = self.state[p]
+            params.append(lp)
+            grads.append(_local(p.grad))
+            steps.append(st["step"])
+            master = st.get("master_param")
+            masters.append(None if master is None else _local(master))
+            if self._kind == "lamb":
+                exp_avgs.append(_local(st["exp_avg"]))
+                exp_avg_sqs.append(_local(st["exp_avg_sq"]))
             else:
-                ps = list(group["params"])
-            hit = self._cached(gi, group, ps, gs) if ps else None
-            if hit is not None:
-                staged.append((group, hit, None, gs, None, None))
-                continue
-            self._plan_cache.pop(gi, None)
-            lps, lgs = (list(map(_local, ps)), list(map(_local, gs))) if _any_dtensor(ps) else (ps, gs)
-            devices, p_dtypes, g_dtypes = self._check_group(gi, lps, lgs)
-            if len(p_dtypes) == 1 and len(g_dtypes) == 1:  # the common case: one bucket
-                keys = [(*devices, *p_dtypes, *g_dtypes)] * len(ps)
-            else:
-                keys = list(zip(map(_DEVICE, lps), map(_DTYPE, lps), map(_DTYPE, lgs)))
-            staged.append((group, ps, lps, lgs, keys, lps is not ps))
-        # Resolve every backend before any state is created, so a refusal changes nothing.
-        backends_of = [{k: _backends.resolve(group["backend"], *k) for k in set(keys)}
-                       if keys is not None else None for group, _, _, _, keys, _ in staged]
-        plan = []
-        # id(bucket) -> params of its rows, DTensors kept: what fusedopt.distributed reduces over
-        self._bucket_params = {}
-        record = any(s[-1] for s in staged)
-        for gi, ((group, ps, lps, lgs, keys, sharded), resolved) in enumerate(zip(staged, backends_of)):
-            if isinstance(ps, _GroupCache):
-                b = self._attach(gi, group, Bucket(grads=lgs, persistent=ps.persistent, **ps.lists),
-                                 ps.g_dtype)
-                if record:
-                    self._bucket_params[id(b)] = ps.params
-                plan.append((self._hyper(group), [(ps.backend, b)]))
-                continue
-            states = [self.state[p] for p in ps]
-            fresh = [p for p, st in zip(ps, states) if not st]
-            if fresh:
-                self._init_states(group, fresh)
-            by_key: dict[tuple, list[int]] = {}
-            if len(resolved) == 1:
-                by_key[keys[0] if keys else None] = range(len(ps))
-            else:
-                for i, k in enumerate(keys):
-                    by_key.setdefault(k, []).append(i)
-            entries = [(resolved[k], self._attach(gi, group, self._bucket(
-                            group, [lps[i] for i in idx], [lgs[i] for i in idx],
-                            [states[i] for i in idx], sharded), k[2]))
-                       for k, idx in by_key.items() if k is not None]
-            if record:
-                for (_, b), idx in zip(entries, [ix for k, ix in by_key.items() if k is not None]):
-                    self._bucket_params[id(b)] = [ps[i] for i in idx]
-            elif len(entries) == 1 and not entries[0][1].writeback:
-                self._remember(gi, group, ps, states, *entries[0])
-            plan.append((self._hyper(group), entries))
-        return plan
+                momentum_buffers.append(_local(st["momentum_buffer"]))
+            if sharded:
+                sources.append(p)
+        return sharded
 
-    def _attach(self, gi: int, group, b: Bucket, grad_dtype: torch.dtype) -> Bucket:
-        """Give ``b`` its group's backend request and its workspace: one dict per param group and
-        (device, param dtype, grad dtype), kept as long as the optimizer (Bucket.workspace)."""
-        b.requested_backend = group["backend"]
-        b.workspace = self._workspaces.setdefault((gi, b.device, b.param_dtype, grad_dtype), {})
-        return b
+    def _group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
+        """The group's TensorGroup, from the list cache when nothing changed (Note [list cache])."""
+        all_ps = group["params"]
+        grads = [p.grad for p in all_ps]
+        with_grad = tuple(g is not None for g in grads) if None in grads else None
+        options = (group["backend"], group["master_weights"])
+        hit = self._lists.get(gi)
+        if (hit is not None and hit.edits == self.state.edits and hit.params is all_ps
+                and hit.with_grad == with_grad and hit.options == options
+                and len(hit.members) == len(all_ps) and all(map(is_, all_ps, hit.members))
+                and not hit.group.sources):
+            g = hit.group
+            g.hyper = self._hyper(group)
+            g.grads = grads if with_grad is None else [x for x in grads if x is not None]
+            return g
+        lists: tuple[list, ...] = ([], [], [], [], [], [], [], [])
+        sharded = self._init_group(group, *lists)
+        params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists
+        g = TensorGroup(self._hyper(group), params, grads, steps,
+                        exp_avgs=exp_avgs if self._kind == "lamb" else None,
+                        exp_avg_sqs=exp_avg_sqs if self._kind == "lamb" else None,
+                        momentum_buffers=momentum_buffers if self._kind == "lars" else None,
+                        masters=masters if any(m is not None for m in masters) else None,
+                        backend=group["backend"], sources=sources if sharded else None,
+                        cache={}, workspaces=self._workspaces.setdefault(gi, {}))
+        self._lists[gi] = _Lists(self.state.edits, all_ps, tuple(all_ps), options, with_grad, g)
+        return g
 
-    def _bucket(self, group, ps, gs, states, sharded: bool) -> Bucket:
-        """A Bucket of one (device, param dtype, grad dtype), with contiguous stand-ins (written
-        back after the step) for any param whose tensors do not share one dense layout."""
-        master = self._uses_master(group, ps[0])
-        local = _local if sharded else (lambda t: t)
-        lists = {"params": ps, "grads": gs, "steps": [st["step"] for st in states],
-                 "masters": [local(st["master_param"]) for st in states] if master else None}
-        for k in self._state_keys:
-            lists[k + "s"] = [local(st[k]) for st in states]
-        b = Bucket(**lists)
-        stateful = [lists[k + "s"] for k in self._state_keys] + ([lists["masters"]] if master else [])
-        if all(all(map(_CONTIGUOUS, xs)) for xs in [ps, gs, *stateful]):
-            return b
-        for i, p in enumerate(ps):
-            row = [ps, gs, *stateful]
-            if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in row):
-                continue
-            for j, xs in enumerate(row):
-                stand_in = xs[i].contiguous()
-                if j != 1:  # grads are only read
-                    b.writeback.append((xs[i], stand_in))
-                xs[i] = stand_in
-        return b
+    def _traced_groups(self) -> list[TensorGroup]:
+        groups = []
+        for group in self.param_groups:
+            params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = (
+                [], [], [], [], [], [], [], [])
+            self._init_group(group, params, grads, steps, exp_avgs, exp_avg_sqs,
+                             momentum_buffers, masters, sources)
+            lamb = self._kind == "lamb"
+            groups.append(TensorGroup(
+                self._hyper(group), params, grads, steps,
+                exp_avgs=exp_avgs if lamb else None, exp_avg_sqs=exp_avg_sqs if lamb else None,
+                momentum_buffers=None if lamb else momentum_buffers,
+                masters=masters if any(m is not None for m in masters) else None,
+                backend=group["backend"], sources=sources or None))
+        return groups
 
-    def _reducer(self):
-        """Cross-rank reducer of norm partial sums; None unless params are sharded (or ZeRO global
-        clipping is enabled), see :mod:`fusedopt.distributed`."""
+    def _step_reducer(self, groups: list[TensorGroup]):
+        if self._reducer is not None:
+            return self._reducer
+        if not any(g.sources for g in groups):
+            return None
         from .distributed import reducer_for
-        return reducer_for(self)
+        return reducer_for(groups, self.param_groups)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -387,21 +318,44 @@ class _TrustRatioOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = self._build_plan()
+        if torch.compiler.is_compiling():
+            self._step(self._traced_groups())
+            return loss
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"{type(self).__name__}.step() called while another thread is in step() of the "
+                "same optimizer; serialize the calls (one optimizer per thread is fine)")
+        try:
+            groups = [self._group(gi, g) for gi, g in enumerate(self.param_groups)]
+            try:
+                self._step(groups)
+            finally:
+                for g in groups:
+                    g.grads = []  # the cache keeps no grad past the step (zero_grad frees them)
+        finally:
+            self._lock.release()
+        return loss
+
+    def _step(self, groups: list[TensorGroup]) -> None:
         trust_ratio_step(
             self._kind,
-            plan,
+            groups,
             grad_scale=getattr(self, "grad_scale", None),
             found_inf=getattr(self, "found_inf", None),
-            reducer=self._reducer(),
+            reducer=self._step_reducer(groups),
+            skip_nonfinite=self.skip_nonfinite,
+            skipped_steps=self.skipped_steps,
         )
-        return loss
 
     # ------------------------------------------------------------ checkpoint
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's loader, except that float32 state of low-precision params stays float32 and the
-        step count stays a float32 tensor on the param's device (torch would cast both)."""
+        """torch's loader, except that float32 state of low-precision params stays float32, the
+        step count stays a float32 tensor on the param's device (torch would cast both), and each
+        group keeps the ``backend`` it was built with (how this process runs, not state)."""
+        backends = [g["backend"] for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for g, be in zip(self.param_groups, backends):
+            g["backend"] = be
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for pid, p in zip(saved_ids, params):
@@ -410,16 +364,22 @@ class _TrustRatioOptimizer(Optimizer):
                 continue
             lp = _local(p)
             for key, value in saved.items():
+                if key == "step" and (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      or isinstance(value, torch.Tensor) and value.numel() == 1):
+                    # one rule for every backend: a float32 0-dim tensor on the param's device
+                    # (torch's older Python-number format and int64 steps converted)
+                    self.state[p][key] = torch.as_tensor(value).reshape(()).to(
+                        device=lp.device, dtype=torch.float32)
                 if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                     continue
                 if key == "step":
-                    self.state[p][key] = value.to(device=lp.device, dtype=torch.float32)
+                    continue
                 elif key == "master_param" or key in self._state_keys:
                     self.state[p][key] = value.to(device=p.device, dtype=compute_dtype(lp.dtype))
 
 
 class FusedLAMB(_TrustRatioOptimizer):
-    r"""LAMB (You et al. 2019) in the NVLAMB form, computed exactly as SPEC.md.
+    r"""LAMB (You et al. 2019) in the NVLAMB form, computed exactly as docs/math.md.
 
     Per tensor, with ``t`` its step count and ``λ`` the group's ``weight_decay``::
 
@@ -447,6 +407,11 @@ class FusedLAMB(_TrustRatioOptimizer):
         capturable: accepted for drop-in compatibility with torch optimizers. fusedopt steps are
             always capturable in a CUDA graph: step counts live on the param's device, ``lr`` may
             be a tensor, and ``step()`` never reads a tensor value on the host.
+        skip_nonfinite: a step whose gradients hold inf or nan changes nothing (params, every
+            state tensor, step counts), decided on the device without a host read, from the
+            clipping total when ``max_grad_norm`` is set and from one fused read of the grads
+            otherwise; ``opt.skipped_steps`` (an int64 tensor) counts such steps. Off by
+            default, as in torch.optim, where one NaN gradient makes every parameter NaN.
 
     GradScaler: ``torch.amp.GradScaler`` hands its scale and ``found_inf`` to ``step()``; the
     gradients are unscaled as they are read (``p.grad`` untouched) and a step with an inf/NaN
@@ -473,6 +438,7 @@ class FusedLAMB(_TrustRatioOptimizer):
         backend: str = "auto",
         master_weights: bool | None = None,
         capturable: bool = False,
+        skip_nonfinite: bool = False,
     ):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -481,7 +447,7 @@ class FusedLAMB(_TrustRatioOptimizer):
             decoupled_weight_decay=decoupled_weight_decay, adapt=adapt,
             backend=backend, master_weights=master_weights, capturable=capturable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, skip_nonfinite)
 
     def _validate_group(self, group):
         validate_lamb_group(group)
@@ -491,7 +457,7 @@ class FusedLAMB(_TrustRatioOptimizer):
 
 
 class FusedLARS(_TrustRatioOptimizer):
-    r"""LARS (You, Gitman, Ginsburg 2017) in the form of Paddle's ``lars_momentum``, as SPEC.md.
+    r"""LARS (You, Gitman, Ginsburg 2017) in the form of Paddle's ``lars_momentum``, as docs/math.md.
 
     Per tensor, with ``κ = trust_coefficient`` and ``λ = weight_decay``::
 
@@ -531,6 +497,7 @@ class FusedLARS(_TrustRatioOptimizer):
         backend: str = "auto",
         master_weights: bool | None = None,
         capturable: bool = False,
+        skip_nonfinite: bool = False,
     ):
         defaults = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -539,7 +506,7 @@ class FusedLARS(_TrustRatioOptimizer):
             lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt,
             backend=backend, master_weights=master_weights, capturable=capturable,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, skip_nonfinite)
 
     def _validate_group(self, group):
         validate_lars_group(group)

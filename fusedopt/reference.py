@@ -1,9 +1,9 @@
-"""A plain float64 evaluation of SPEC.md: the test oracle.
+"""A plain float64 evaluation of docs/math.md: the test oracle.
 
 One tensor at a time, written straight from the formulas, with no code shared with the backends
 (it imports nothing from fusedopt). State is a dict per param index. Use it to check any backend:
 
-    ref = ReferenceLAMB(hyper_per_group)                  # list of dicts of SPEC hyper-parameters
+    ref = ReferenceLAMB(hyper_per_group)                  # list of dicts of docs/math.md hyper-parameters
     ref.step(weights_per_group, grads_per_group)          # lists of float64 tensors, updated in place
 """
 from __future__ import annotations

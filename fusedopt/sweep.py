@@ -92,7 +92,7 @@ SWEEP: dict[str, Any] = dict(
     # Linear warm-up (Goyal et al.) over this many epochs for batches above base_batch, from
     # the peak divided by the rule's scale factor (Goyal's η to kη) up to the peak; the LR is
     # then constant (a run ends at the target, so there is no planned length for a decay to end
-    # at). Longer warm-ups were checked with --warmup-epochs, see the README.
+    # at). Longer warm-ups were checked with --warmup-epochs, see docs/large-batch.md.
     warmup_epochs=1.0,
     # A loss above this times the initial loss (or non-finite): diverged, stop early. High
     # enough that a transient spike that recovers is not cut short.

@@ -32,7 +32,7 @@ OPT_CASES = {
     "lars_clip": ("lars", dict(lr=1.0, weight_decay=1e-3, trust_coefficient=0.01,
                               max_grad_norm=0.05), True),
 }
-# all-reduces per step() allowed by the design (SPEC: the clipping total is needed before pass 1)
+# all-reduces per step() allowed by the design (docs/math.md: the clipping total is needed before pass 1)
 ALLREDUCE_PER_STEP = {"lamb": 1, "lamb_clip": 2, "lars": 1, "lars_clip": 2}
 BACKENDS = ("eager", "cpp")
 
@@ -321,10 +321,11 @@ def _check_sums(ctx, specs, backend, steps=2):
         def reduce_trust_sums(self, sums, buckets):
             self.inner.reduce_trust_sums(sums, buckets)
             seen["rows"] = [(p, row) for b, s in zip(buckets, sums)
-                            for p, row in zip(opt._bucket_params[id(b)], s.double().tolist())]
+                            for p, row in zip(b.sources if b.sources is not None else b.params,
+                                                   s.double().tolist())]
 
-    inner_reducer = opt._reducer
-    opt._reducer = lambda: Recorder(inner_reducer())
+    inner_reducer = opt._step_reducer
+    opt._step_reducer = lambda groups: Recorder(inner_reducer(groups))
     total_err = sums_err = 0.0
     index = {id(p): i for i, p in enumerate(params)}
     for _ in range(steps):

@@ -14,7 +14,7 @@ SHAPES_SMALL = [(3, 5), (7,), (0,), (1,), (4097,), (2, 3, 4)]
 # (kChunk in csrc/cpu/multi_tensor.h): 70001 elements span three.
 SHAPES_ZOO = SHAPES_SMALL + [(18011,), (70001,), (256, 300)]
 
-# One entry per SPEC flag (and a few combinations); ids are readable in pytest output.
+# One entry per flag of docs/math.md (and a few combinations); ids are readable in pytest output.
 LAMB_CASES = {
     "default": {},
     "no_wd": dict(weight_decay=0.0),

@@ -57,6 +57,15 @@ def _assert_bitwise(a, b):
         assert torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
 
 
+def _handle(opt, gi):
+    """The C++ BucketLists the cpp backend keeps for param group ``gi`` in the list cache (Note
+    [list cache] in fusedopt/optim.py), or None."""
+    entry = opt._lists.get(gi)
+    if entry is None or entry.group.cache is None:
+        return None
+    return entry.group.cache.get("handles", {}).get("cpp")
+
+
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_4000_tiny_tensors(kind):
     shapes = [(3,)] * 4000 + [(18011,)]
@@ -274,7 +283,7 @@ def test_state_dict_round_trip_continues_bit_for_bit(kind):
 
 def _steps_with(kind, dtype, static_lists, monkeypatch):
     """Four steps (global clipping, a tensor lr) with BucketLists on or off (then every pass goes
-    through torch.ops.fusedopt.*); returns the snapshot and the plan cache's handles."""
+    through torch.ops.fusedopt.*); returns the snapshot and the list cache's cpp handles."""
     with monkeypatch.context() as m:
         m.setattr(type(CPP), "_has_static_lists", static_lists)
         params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, dtype, 0)]
@@ -282,15 +291,15 @@ def _steps_with(kind, dtype, static_lists, monkeypatch):
         for step in range(4):
             _set_grads(params, step)
             opt.step()
-        handles = [c.persistent.get("cpp") for c in opt._plan_cache.values()]
-        return _snapshot(params, opt), handles
+        return _snapshot(params, opt), [_handle(opt, gi) for gi in opt._lists]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_masters"])
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_static_lists_equal_the_operators_bit_for_bit(kind, dtype, monkeypatch):
-    """Note [static lists]: the optimizer keeps a C++ BucketLists per cached bucket, and the
-    steps it runs are the operators' steps, bit for bit."""
+    """Note [static lists]: the optimizer keeps a C++ BucketLists per cached bucket (in the list
+    cache's handles, Note [list cache]), and the steps it runs are the operators' steps, bit for
+    bit."""
     from fusedopt import _C
     fast, handles = _steps_with(kind, dtype, True, monkeypatch)
     slow, no_handles = _steps_with(kind, dtype, False, monkeypatch)
@@ -300,25 +309,29 @@ def test_static_lists_equal_the_operators_bit_for_bit(kind, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_cached_buckets_take_their_grads_in_cpp_and_let_go_of_them(kind):
-    """Note [grads taken in C++]: a cached bucket's step builds no Python list of grads, and
-    after the step the C++ side holds no grad (zero_grad(set_to_none=True) frees them)."""
+def test_cached_lists_let_go_of_the_grads(kind):
+    """The list cache and the C++ BucketLists keep no grad past the step: after
+    zero_grad(set_to_none=True) the grads of the last step are freed (their memory is what
+    set_to_none saves until the next backward), and the next step still hits the cache."""
+    import gc
+    import weakref
+
     params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
     opt = _opt(kind, params, max_grad_norm=1.0)
     for step in range(2):
         _set_grads(params, step)
         opt.step()
-    lists = opt._plan_cache[0].persistent["cpp"]
-    with pytest.raises(RuntimeError, match="no grads taken"):
-        lists.taken_grad_sq_norms()
-    (h, [(be, bucket)]), = opt._build_plan()
-    assert bucket.grads is None
-    torch.testing.assert_close(lists.taken_grad_sq_norms(),
-                               CPP.sq_norms([p.grad for p in params]), rtol=0, atol=0)
-    for p in params[:2]:
-        p.grad = None  # a grad missing: the step gathers grads in Python
-    (h, [(be, bucket)]), = opt._build_plan()
-    assert bucket.grads is not None and len(bucket.grads) == len(params) - 2
+    handle = _handle(opt, 0)
+    assert handle is not None
+    grads = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    alive = [i for i, r in enumerate(grads) if r() is not None]
+    assert not alive, f"the grads of params {alive[:5]} outlive zero_grad(set_to_none=True)"
+    _set_grads(params, 2)
+    opt.step()
+    assert _handle(opt, 0) is handle  # the same lists went on
+    assert all(float(opt.state[p]["step"]) == 3 for p in params)
 
 
 def _change_in_place(params, opt):
@@ -364,14 +377,16 @@ EXTRA = pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_static_lists_follow_tensors_changed_in_place(kind, extra, monkeypatch):
     """Note [checked lists] in ops.cpp: BucketLists keeps its static lists' data pointers between
-    steps; when a tensor's data moves while the objects stay (so the Python plan cache still holds)
-    it sees the change and steps the new data, as the operators do."""
+    steps; when a tensor's data moves while the objects stay (so the Python list cache still holds:
+    no edit of opt.state) it sees the change and steps the new data, as the operators do."""
     def change(params, opt):
-        handle = opt._plan_cache[0].persistent.get("cpp")
+        handle = _handle(opt, 0)
+        edits = opt.state.edits
         _change_in_place(params, opt)
+        assert opt.state.edits == edits
 
         def check():  # the same lists went on
-            assert opt._plan_cache[0].persistent.get("cpp") is handle
+            assert _handle(opt, 0) is handle
         return check
     _both_ways_with_a_change(kind, extra, monkeypatch, change)
 
@@ -415,13 +430,14 @@ def test_static_lists_are_rebuilt_when_the_state_is_replaced():
     opt = _opt("lamb", params)
     _set_grads(params, 0)
     opt.step()
-    first = opt._plan_cache[0].persistent["cpp"]
+    first = _handle(opt, 0)
+    assert first is not None
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors
     opt.step()
-    second = opt._plan_cache[0].persistent["cpp"]
-    assert second is not first
+    second = _handle(opt, 0)
+    assert second is not None and second is not first
     opt.step()
-    assert opt._plan_cache[0].persistent["cpp"] is second
+    assert _handle(opt, 0) is second
     assert all(float(opt.state[p]["step"]) == 3 for p in params)
 
 
@@ -453,6 +469,14 @@ def _live_tensors(params, opt):
 
 # --------------------------------------------------------------------------- torch operators
 
+def _hyper_list(kind, values):
+    """The operators' ``hyper`` argument: ``values`` in the order the C++ side reads them (Note
+    [hyper fields] in csrc/cpu/ops.h, as ``CppBackend.fields``); every field given, no other."""
+    fields = CPP.fields[kind]
+    assert sorted(fields) == sorted(values)
+    return [float(values[name]) for name in fields]
+
+
 def _op_args(kind, n=3, masters=False):
     gen = torch.Generator().manual_seed(0)
     shapes = [(7,), (3, 4), (0,)][:n]
@@ -467,16 +491,16 @@ def _op_args(kind, n=3, masters=False):
     lr = torch.tensor(0.1, dtype=torch.float64)
     ops = torch.ops.fusedopt
     if kind == "lamb":
-        from fusedopt.backends.cpp import LAMB_FIELDS
-        hyper = [0.1, 0.9, 0.999, 0.1, 1e-6, 0.01, 0.0, float("inf"), 1, 1, 0, 0]
-        assert len(hyper) == len(LAMB_FIELDS)
+        hyper = _hyper_list("lamb", dict(
+            lr=0.1, beta1=0.9, beta2=0.999, beta3=0.1, eps=1e-6, weight_decay=0.01, ratio_lo=0.0,
+            ratio_hi=float("inf"), bias_correction=1, adapt=1, decoupled=0, bounded=0))
         m = [torch.zeros(s) for s in shapes]
         v = [torch.zeros(s) for s in shapes]
         return [(ops.lamb_pass1.default, (weights, grads, m, v, steps, hyper, gm, fi)),
                 (ops.lamb_pass2.default, (weights, lowp, m, v, steps, sums, hyper, lr, fi))]
-    from fusedopt.backends.cpp import LARS_FIELDS
-    hyper = [0.1, 0.9, 0.0, 1e-4, 1e-3, 1e-8, 0, 0, 0, 1, 1]
-    assert len(hyper) == len(LARS_FIELDS)
+    hyper = _hyper_list("lars", dict(
+        lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-4, trust_coefficient=1e-3, eps=1e-8,
+        nesterov=0, trust_clip=0, combined=0, lr_in_momentum=1, adapt=1))
     buf = [torch.zeros(s) for s in shapes]
     return [(ops.lars_pass1.default, (weights, grads, steps, hyper, gm, fi)),
             (ops.lars_pass2.default, (weights, lowp, grads, buf, steps, sums, hyper, lr, gm, fi))]
@@ -532,41 +556,35 @@ def test_step_allocates_no_parameter_sized_memory(kind):
     assert max(allocs) < 4096, f"allocations during step(): {sorted(allocs)[-5:]} bytes"
 
 
-# ----------------------------------------------------------------------- plan-cache helpers
+# ------------------------------------------------------------------ the C++ side's Python API
 
-def _identity_cases():
-    a, b, c = object(), object(), object()
-    d0, d1 = {"x": a, "y": b}, {"x": c, "y": a}
-    return [  # (id, function, args, expected)
-        ("entries: same", "entries_are", ([d0, d1], ("x", "y"), ([a, c], [b, a])), True),
-        ("entries: one key", "entries_are", ([d0, d1], ("y",), ([b, a],)), True),
-        ("entries: no keys", "entries_are", ([d0, d1], (), ()), True),
-        ("entries: no dicts", "entries_are", ([], ("x",), ([],)), True),
-        ("entries: replaced", "entries_are", ([d0, d1], ("x", "y"), ([a, c], [b, b])), False),
-        ("entries: equal, not identical", "entries_are",
-         ([{"x": 1000.5}], ("x",), ([float("1000.5")],)), False),
-        ("entries: missing key", "entries_are", ([d0, {"x": c}], ("x", "y"), ([a, c], [b, a])),
-         False),
-        ("entries: not a dict", "entries_are", ([d0, [c]], ("x",), ([a, c],)), False),
-        ("entries: list too short", "entries_are", ([d0, d1], ("x",), ([a],)), False),
-        ("entries: not a list", "entries_are", ([d0, d1], ("x",), ((a, c),)), False),
-        ("items: same", "items_are", ([a, b, c], [a, b, c]), True),
-        ("items: empty", "items_are", ([], []), True),
-        ("items: other order", "items_are", ([a, b], [b, a]), False),
-        ("items: shorter", "items_are", ([a, b], [a]), False),
-        ("dict: same", "dict_items_are", (d0, ["x", "y"], [a, b]), True),
-        ("dict: value replaced", "dict_items_are", (d0, ["x", "y"], [a, c]), False),
-        ("dict: other order", "dict_items_are", (d0, ["y", "x"], [b, a]), False),
-        ("dict: one more key", "dict_items_are", ({**d0, "z": c}, ["x", "y"], [a, b]), False),
-        ("dict: shorter values", "dict_items_are", (d0, ["x", "y"], [a]), False),
-    ]
+def test_c_extension_exposes_the_list_cache_api_only():
+    """The plan cache's identity scans and the grads taken in C++ are gone (Note [list cache] in
+    fusedopt/optim.py replaced them); BucketLists takes each step's grads as an argument."""
+    from fusedopt import _C
+    for gone in ("entries_are", "items_are", "dict_items_are", "take_grads",
+                 "taken_grad_sq_norms"):
+        assert not hasattr(_C, gone), gone
+        assert not hasattr(_C.BucketLists, gone), gone
+    for gone in ("take_cached_grads", "fits_cached_bucket"):
+        assert not hasattr(backends.Backend, gone) and not hasattr(CPP, gone), gone
+    for method in ("accepts", "lamb_pass1", "lamb_pass2", "lars_pass1", "lars_pass2"):
+        assert hasattr(_C.BucketLists, method), method
 
 
-@pytest.mark.parametrize("case", _identity_cases(), ids=lambda c: c[0])
-def test_identity_helpers_answer_as_their_python_fallbacks(case):
-    """Note [identity scans] (csrc/cpu/python_helpers.h): the plan cache's C++ helpers and their
-    Python fallbacks (used when the extension is not built) give the same answers."""
-    from fusedopt import _C, _identity
-    _, name, args, expected = case
-    assert getattr(_C, name)(*args) is expected
-    assert _identity.PYTHON[name](*args) is expected
+def test_hyper_fields_come_from_cpp_and_name_hyper_attributes():
+    """Note [hyper fields]: CppBackend.fields is the C++ enums' order, and every name is a field
+    of LambHyper / LarsHyper (Python fills the doubles by name)."""
+    import dataclasses
+
+    from fusedopt import _C
+    from fusedopt._hyper import LambHyper, LarsHyper
+    assert CPP.fields == {"lamb": tuple(_C.lamb_fields()), "lars": tuple(_C.lars_fields())}
+    for kind, cls in (("lamb", LambHyper), ("lars", LarsHyper)):
+        fields = CPP.fields[kind]
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert fields and len(set(fields)) == len(fields), fields
+        assert all(isinstance(n, str) for n in fields)
+        missing = [n for n in fields if n not in names]
+        assert not missing, f"{kind}: {missing} are not fields of {cls.__name__}"
+        assert "lr" in fields

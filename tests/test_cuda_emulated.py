@@ -374,7 +374,7 @@ def _layout(name: str):
 class Case:
     kind: str                        # "lamb" or "lars"
     shapes: list
-    hyper: dict = field(default_factory=dict)  # SPEC names (helpers.LAMB_CASES / LARS_CASES)
+    hyper: dict = field(default_factory=dict)  # docs/math.md names (helpers.LAMB_CASES / LARS_CASES)
     dtype: torch.dtype = torch.float32         # of the params
     grad_dtype: torch.dtype | None = None      # default: the params'
     masters: bool = False            # fp32 master weights beside bf16/fp16 params

@@ -1,5 +1,5 @@
 """The CUDA backend (``backend="cuda"``, csrc/cuda) on a GPU: float64-reference parity for every
-SPEC flag, low precision with master weights, the GradScaler protocol, launches per step, no host
+flag of docs/math.md, low precision with master weights, the GradScaler protocol, launches per step, no host
 synchronization, deterministic norms and tensors over 2**31 elements.
 
 These tests need a CUDA device and the ``fusedopt._cuda`` extension (built by setup.py with a CUDA

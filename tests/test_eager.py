@@ -1,4 +1,4 @@
-"""The eager backend against the float64 evaluation of SPEC.md."""
+"""The eager backend against the float64 evaluation of docs/math.md."""
 import pytest
 import torch
 

@@ -493,29 +493,24 @@ def test_excluded_group_gets_plain_update(kind):
     torch.testing.assert_close(bias.detach(), expected, rtol=1e-5, atol=1e-7)
 
 
-# ---------------------------------------------------------------------- plan cache (optim.py)
-@pytest.fixture(params=["native", "python"])
-def identity_checks(request, monkeypatch):
-    """The plan cache's identity checks in C++ (when built) or in their Python fallback."""
-    from fusedopt import _identity
-    if request.param == "python":
-        monkeypatch.setattr(_identity, "_impl", dict(_identity.PYTHON))
-    return request.param
-
-
+# ---------------------------------------------------------------------- list cache (optim.py)
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind, identity_checks):
+def test_cached_lists_follow_replaced_state_tensors_and_grad_changes(kind):
+    """Note [list cache]: a state tensor replaced by hand is an edit of the state mapping, so the
+    next step gathers the lists again and updates the new tensor."""
     m = model()
     opt = OPTS[kind](m.parameters())
     train(opt, m, 2)
-    assert opt._plan_cache, "a steady group should be cached"
+    assert opt._lists, "a steady group should be cached"
     key = "exp_avg" if kind == "lamb" else "momentum_buffer"
     w = m[0].weight
+    edits = opt.state.edits
     fresh = torch.zeros_like(opt.state[w][key])
     opt.state[w][key] = fresh  # replaced by hand: the next step must update the new tensor
+    assert opt.state.edits > edits
     train(opt, m, 1)
     assert fresh.abs().sum() > 0
-    # a param losing its grad, a non-contiguous grad, and a changed backend all take the full path
+    # a param losing its grad, a non-contiguous grad, and a changed backend all gather again
     m(torch.randn(4, 6)).square().mean().backward()
     m[2].bias.grad = None
     before = m[2].bias.detach().clone()
@@ -526,12 +521,29 @@ def test_cached_plan_follows_replaced_state_tensors_and_grad_changes(kind, ident
     assert opt.state[m[2].bias]["step"].item() == 3 and opt.state[w]["step"].item() == 4
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_lists_follow_an_edited_params_list(kind):
+    """Replacing a param inside the group's own list (same list object) is seen by the cache."""
+    m, other = model(), model()
+    opt = OPTS[kind](m.parameters())
+    train(opt, m, 2)
+    w, new_w = m[0].weight, other[0].weight
+    opt.param_groups[0]["params"][0] = new_w
+    new_w.grad = torch.ones_like(new_w)
+    for p in m.parameters():
+        p.grad = None
+    before = w.detach().clone()
+    opt.step()
+    assert torch.equal(w, before)
+    assert opt.state[new_w]["step"].item() == 1
+
+
 @pytest.mark.parametrize("reset", ["del_state", "new_state_dict"])
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_plan_sees_a_state_reset_by_hand(kind, backend, reset, identity_checks):
+def test_cached_lists_see_a_state_reset_by_hand(kind, backend, reset):
     """Resetting one param's state (as some training loops do) restarts it on the next step, with
-    the plan cache as without it."""
+    the list cache as without it."""
     m = model()
     opt = OPTS[kind](m.parameters(), backend=backend)
     train(opt, m, 2)
@@ -551,9 +563,8 @@ def test_cached_plan_sees_a_state_reset_by_hand(kind, backend, reset, identity_c
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
 @pytest.mark.parametrize("kind", KINDS)
 def test_cached_bucket_refuses_grads_it_cannot_take(kind, backend, change):
-    """Each backend's fits_cached_bucket (the cpp one answers in C++, Note [static lists]): a grad
-    with other strides or another dtype sends the step down the full path, which gives the same
-    bits as a step without any cache."""
+    """Each backend's accepts_grads: a grad with other strides or another dtype sends the step
+    down the full path, which gives the same bits as a step without any cache."""
     results = []
     for use_cache in (True, False):
         m = model()
@@ -572,7 +583,7 @@ def test_cached_bucket_refuses_grads_it_cannot_take(kind, backend, change):
                         p.grad_dtype = torch.bfloat16  # torch >= 2.10 checks grad dtypes
                         p.grad = g.to(torch.bfloat16)
             if not use_cache:
-                opt._plan_cache.clear()
+                opt._lists.clear()
             opt.step()
         results.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
@@ -589,7 +600,7 @@ def test_cached_and_uncached_steps_agree(kind):
             opt.zero_grad()
             m(torch.randn(8, 6, generator=gen)).square().mean().backward()
             if not use_cache:
-                opt._plan_cache.clear()
+                opt._lists.clear()
             opt.step()
         results.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -1,4 +1,4 @@
-"""Every SPEC flag, on the eager and C++ backends, against the float64 reference: fp32 (rel <= 1e-5)
+"""Every flag of docs/math.md, on the eager and C++ backends, against the float64 reference: fp32 (rel <= 1e-5)
 and fp64 (rel <= 1e-11), 6 steps, over the shape zoo with a zero-norm weight, a zero gradient and an
 excluded group. (Triton runs the same cases in test_triton.py with interpreter-sized tiles.)"""
 import pytest

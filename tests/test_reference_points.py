@@ -1,4 +1,4 @@
-"""SPEC.md's reference points, checked against public implementations that run here: optax
+"""docs/math.md's reference points, checked against public implementations that run here: optax
 and timm.
 
 * ``FusedLAMB`` defaults (with any lr, betas, eps, weight_decay) equal ``optax.lamb``
@@ -12,7 +12,7 @@ and timm.
 * ``FusedLARS(denominator="sum", lr_in_momentum=False)`` equals timm's ``Lars(always_adapt=True)``
   (the torch-SGD momentum form with dampening and Nesterov).
 
-apex FusedLAMB (``use_nvlamb=True, max_grad_norm=0``) is documented in the README; it needs CUDA.
+apex FusedLAMB (``use_nvlamb=True, max_grad_norm=0``) is documented in docs/math.md; it needs CUDA.
 timm is loaded by :func:`fusedopt.bench.timm_optimizers` (its optimizer modules without its model
 zoo, which needs torchvision).
 """
@@ -122,8 +122,8 @@ def test_lamb_equals_timm_lamb(hyper, zero_weight):
 
 def test_timm_decoupled_decay_takes_the_norm_after_decay():
     """timm's ``decoupled_decay`` decays w first and takes ‖w‖ of the decayed weight, so its φ is
-    ours times (1 - lr·λ): the README says so, and this pins it (ours takes ‖w‖ before the decay,
-    SPEC.md). With λ = 0 the two decoupled forms are the same update."""
+    ours times (1 - lr·λ): docs/math.md says so, and this pins it (ours takes ‖w‖ before the decay,
+    docs/math.md). With λ = 0 the two decoupled forms are the same update."""
     def pair(weight_decay):
         hyper = dict(lr=1e-2, weight_decay=weight_decay)
         return (lambda ps: fusedopt.FusedLAMB(ps, decoupled_weight_decay=True, **hyper),

@@ -237,13 +237,13 @@ def record(select: str = "pairs") -> dict:
                                  else ("exp_avgs", "exp_avg_sqs")):
                         lists.pop(name)
                     buckets[key] = (lists, {})
-                lists, workspace = buckets[key]
+                lists, workspaces = buckets[key]
                 h = dataclasses.replace(base, **{n[2:]: v for n, v in x.items()
                                                  if n.startswith("h.")})
-                b = functional.Bucket(**lists, workspace=workspace, requested_backend="triton")
+                g = functional.TensorGroup(h, **lists, backend=be, workspaces=workspaces)
                 gs, fi = x["grad_scale"], x["found_inf"]
                 functional.trust_ratio_step(
-                    kind, [(h, [(be, b)])],
+                    kind, [g],
                     grad_scale=None if gs is None else torch.tensor(gs, dtype=torch.float32),
                     found_inf=None if fi is None else torch.tensor(fi, dtype=torch.float32))
                 steps += 1

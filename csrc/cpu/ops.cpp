@@ -1,9 +1,9 @@
-// CPU multi-tensor LAMB / LARS passes and sq_norms (SPEC.md, docs/CONTRIBUTING_BACKENDS.md).
+// CPU multi-tensor LAMB / LARS passes and sq_norms (docs/math.md, docs/backends.md).
 //
 // Each op does its per-tensor work (step counts, bias corrections, trust ratios) in a serial setup,
 // then runs ONE parallel region over the chunks of all tensors of the bucket (multi_tensor.h).
 // The per-element math is fusedopt/math.h; the chunk functors below only load, call it and store.
-// Memory traffic per element and step is SPEC.md's model: LAMB pass 1 reads w, g, m, v and writes
+// Memory traffic per element and step is docs/math.md's model: LAMB pass 1 reads w, g, m, v and writes
 // m, v; pass 2 reads w, m, v and writes w. LARS pass 1 reads w, g; pass 2 reads w, g, v and
 // writes w, v. No parameter-sized temporary is allocated: only O(tensors + chunks) tables.
 #include "ops.h"
@@ -12,6 +12,7 @@
 #include <fusedopt/math.h>
 
 #include <atomic>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -395,9 +396,8 @@ std::vector<const void*> const_data_ptrs(at::TensorList ts) {
 // sizes, strides, data pointer, not copy-on-write; a few inline loads per tensor), and if one did
 // (`p.data = ...`, `model.to(memory_format=...)`, `share_memory_()`, a lazy clone) checks them
 // all again on one thread as the operators do, raising their errors, and rebuilds. The look is
-// shared by the threads (tensor ranges, above kTensorGrain tensors) and, when the step's grads
-// are taken in C++, done by take_grads in the same region as the grads; pass 1 then does not
-// look again, and pass 2 reuses what pass 1 checked. Checking each list in each pass had cost
+// shared by the threads (tensor ranges, above kTensorGrain tensors), and pass 2 reuses what pass 1
+// of the same step checked. The grads, new every step, are checked in every pass. Checking each list in each pass had cost
 // ~1.7 µs per tensor and step; a LAMB step on 4000 one-element tensors went from 8.9–10.6 ms to
 // 5.6–7.0 ms, on 4000 x 2,500 elements from 29–31 ms to 25–26 ms (alternating runs, one loaded
 // 2-core machine).
@@ -762,17 +762,13 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
 
 BucketLists::BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor> params,
                          std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-                         std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps,
-                         std::vector<at::Tensor> grad_holders)
+                         std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps)
     : weights_(std::move(weights)),
       params_(std::move(params)),
       exp_avgs_(std::move(exp_avgs)),
       exp_avg_sqs_(std::move(exp_avg_sqs)),
       momentum_buffers_(std::move(momentum_buffers)),
-      steps_(std::move(steps)),
-      grad_holders_(std::move(grad_holders)) {
-  TORCH_CHECK(grad_holders_.size() == weights_.size(), "fusedopt cpp backend: ", weights_.size(),
-              " weights but ", grad_holders_.size(), " grad holders");
+      steps_(std::move(steps)) {
   recheck();
   weight_dtype_ = checked_->weight_dtype;
   param_dtype_ = params_.empty() ? weight_dtype_ : params_[0].scalar_type();
@@ -834,6 +830,7 @@ bool BucketLists::grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_d
 }
 
 bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
   if (grads.size() != weights_.size()) return false;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grad_fits(grads[i], i, grad_dtype)) return false;
@@ -841,61 +838,18 @@ bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType g
   return true;
 }
 
-bool BucketLists::take_grads(at::ScalarType grad_dtype) {
-  const int64_t n = static_cast<int64_t>(grad_holders_.size());
-  Taken taken;
-  taken.grads.resize(n);
-  taken.ptrs.resize(n);
-  std::atomic<bool> fit{true}, unchanged{true};
-  at::parallel_for(0, n, kTensorGrain, [&](int64_t begin, int64_t end) {
-    if (!static_lists_unchanged(begin, end)) unchanged = false;
-    for (int64_t i = begin; i < end && fit.load(std::memory_order_relaxed); ++i) {
-      const at::Tensor& g = grad_holders_[i].grad();
-      if (!grad_fits(g, i, grad_dtype)) {
-        fit = false;
-        break;
-      }
-      taken.grads[i] = g;
-      taken.ptrs[i] = g.const_data_ptr();
-    }
-  });
-  taken_ = {};
-  if (!fit) return false;
-  taken.dtype = grad_dtype;
-  taken.static_lists_checked = unchanged;
-  taken_ = std::move(taken);
-  return true;
-}
-
-at::Tensor BucketLists::taken_grad_sq_norms() const {
-  TORCH_CHECK(taken_.grads.size() == weights_.size(), "fusedopt cpp backend: no grads taken");
-  return cpu::sq_norms(taken_.grads);
-}
-
-std::pair<std::vector<const void*>, at::ScalarType> BucketLists::grad_pointers(
-    const Grads& grads, const Taken& taken) const {
-  if (grads.has_value()) {
-    const at::ScalarType dtype = check_list(*grads, weights_, "grads");
-    return {const_data_ptrs(*grads), dtype};
-  }
-  TORCH_CHECK(taken.grads.size() == weights_.size(), "fusedopt cpp backend: no grads taken");
-  return {taken.ptrs, taken.dtype};
-}
-
 template <typename Run>
-at::Tensor BucketLists::pass1(const Grads& grads,
+at::Tensor BucketLists::pass1(const std::vector<at::Tensor>& grads,
                               const std::optional<at::Tensor>& found_inf, const Run& run) {
-  // the static lists were checked by take_grads in this step when its grads are used
-  const bool by_take = !grads.has_value() && std::exchange(taken_.static_lists_checked, false);
   checked_by_pass1_ = false;
-  const CheckedLists& d = checked(by_take);
-  const auto [gp, g_dtype] = grad_pointers(grads, taken_);
+  const CheckedLists& d = checked(/*reuse=*/false);
+  const at::ScalarType g_dtype = check_list(grads, weights_, "grads");
   at::Tensor sums;
   if (d.size() == 0 || step_skipped(found_inf)) {
     sums = at::zeros({d.size(), 2}, at::dtype(compute_dtype(d.weight_dtype)));
   } else {
     bump_versions({exp_avgs_, exp_avg_sqs_, steps_});  // LARS has no exp_avgs: steps only
-    sums = run(d, gp, g_dtype);
+    sums = run(d, const_data_ptrs(grads), g_dtype);
   }
   checked_by_pass1_ = true;
   return sums;
@@ -906,9 +860,11 @@ void BucketLists::require_state(bool lamb) const {
               "fusedopt cpp backend: these BucketLists hold no ", lamb ? "LAMB" : "LARS", " state");
 }
 
-at::Tensor BucketLists::lamb_pass1(const Grads& grads, const std::vector<double>& hyper,
+at::Tensor BucketLists::lamb_pass1(const std::vector<at::Tensor>& grads,
+                                   const std::vector<double>& hyper,
                                    const std::optional<at::Tensor>& grad_mult,
                                    const std::optional<at::Tensor>& found_inf) {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
   require_state(/*lamb=*/true);
   const LambHyper h = lamb_hyper(hyper, std::nullopt);
   return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt) {
@@ -919,7 +875,7 @@ at::Tensor BucketLists::lamb_pass1(const Grads& grads, const std::vector<double>
 void BucketLists::lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
                              const std::optional<at::Tensor>& lr,
                              const std::optional<at::Tensor>& found_inf) {
-  taken_ = {};  // LAMB's pass 2 reads no grads
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
   require_state(/*lamb=*/true);
   const CheckedLists& d = checked(/*reuse=*/std::exchange(checked_by_pass1_, false));
   const LambHyper h = lamb_hyper(hyper, lr);
@@ -928,9 +884,11 @@ void BucketLists::lamb_pass2(const at::Tensor& sums, const std::vector<double>& 
   run_lamb_pass2(d, sums, h);
 }
 
-at::Tensor BucketLists::lars_pass1(const Grads& grads, const std::vector<double>& hyper,
+at::Tensor BucketLists::lars_pass1(const std::vector<at::Tensor>& grads,
+                                   const std::vector<double>& hyper,
                                    const std::optional<at::Tensor>& grad_mult,
                                    const std::optional<at::Tensor>& found_inf) {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
   require_state(/*lamb=*/false);
   const LarsHyper h = lars_hyper(hyper, std::nullopt);
   return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt) {
@@ -938,20 +896,19 @@ at::Tensor BucketLists::lars_pass1(const Grads& grads, const std::vector<double>
   });
 }
 
-void BucketLists::lars_pass2(const Grads& grads, const at::Tensor& sums,
+void BucketLists::lars_pass2(const std::vector<at::Tensor>& grads, const at::Tensor& sums,
                              const std::vector<double>& hyper,
                              const std::optional<at::Tensor>& lr,
                              const std::optional<at::Tensor>& grad_mult,
                              const std::optional<at::Tensor>& found_inf) {
-  Taken taken;
-  std::swap(taken, taken_);  // let go of the taken grads when this call ends
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
   require_state(/*lamb=*/false);
   const CheckedLists& d = checked(/*reuse=*/std::exchange(checked_by_pass1_, false));
-  const auto [gp, g_dtype] = grad_pointers(grads, taken);
+  const at::ScalarType g_dtype = check_list(grads, weights_, "grads");
   const LarsHyper h = lars_hyper(hyper, lr);
   if (d.size() == 0 || step_skipped(found_inf)) return;
   bump_versions({weights_, params_, momentum_buffers_});
-  run_lars_pass2(d, gp, g_dtype, sums, h, grad_mult);
+  run_lars_pass2(d, const_data_ptrs(grads), g_dtype, sums, h, grad_mult);
 }
 
 }  // namespace cpu

@@ -1,8 +1,8 @@
-// LAMB on CUDA (SPEC.md, NVLAMB form), two passes per bucket:
+// LAMB on CUDA (docs/math.md, NVLAMB form), two passes per bucket:
 //   pass 1  m <- beta1*m + beta3*g ;  v <- beta2*v + (1-beta2)*g^2   (written back)
 //           u = m_hat / (sqrt(v_hat) + eps) + lambda*w ;  sums = (|w|^2, |u|^2) per tensor
 //   pass 2  phi = |w| / |u| (zero-norm rule, bounds, adapt) ;  w <- w*decay - lr*phi*u
-// Memory traffic per element is SPEC.md's 40 B for fp32: pass 1 reads w, g, m, v and writes m, v;
+// Memory traffic per element is docs/math.md's 40 B for fp32: pass 1 reads w, g, m, v and writes m, v;
 // pass 2 reads w, m, v (recomputing u with the same call as pass 1) and writes w.
 //
 // Note [shared math]: every per-element and per-tensor formula below is a call into

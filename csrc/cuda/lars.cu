@@ -1,8 +1,8 @@
-// LARS on CUDA (SPEC.md, the form of the Paddle lars_momentum kernel), two passes per bucket:
+// LARS on CUDA (docs/math.md, the form of the Paddle lars_momentum kernel), two passes per bucket:
 //   pass 1  sums = (|w|^2, |g|^2) per tensor, or (|w|^2, |g + lambda*w|^2) for "combined"
 //   pass 2  ratio = kappa*|w| / (|g| + lambda*|w| + eps)  or  kappa*|w| / (|g + lambda*w| + eps)
 //           (zero-norm rule, trust_clip, adapt) ;  d = ratio*(g + lambda*w) ;  momentum ;  w -= step
-// Memory traffic per element is SPEC.md's 28 B for fp32: pass 1 reads w, g; pass 2 reads w, g, v
+// Memory traffic per element is docs/math.md's 28 B for fp32: pass 1 reads w, g; pass 2 reads w, g, v
 // and writes w, v.
 //
 // Note [shared math]: the trust ratio, the per-tensor coefficients and the per-element update are

@@ -1,6 +1,6 @@
-// fusedopt per-element math: the one C++ statement of SPEC.md, shared by the CPU (csrc/cpu) and
+// fusedopt per-element math: the one C++ statement of docs/math.md, shared by the CPU (csrc/cpu) and
 // CUDA (csrc/cuda) backends. Everything here is a pure function of scalars, valid host and device
-// code; no tensors, no launch logic. Symbols follow SPEC.md: w weight, g gradient (already
+// code; no tensors, no launch logic. Symbols follow docs/math.md: w weight, g gradient (already
 // multiplied by grad_mult = 1 / (amp_scale * clip divisor)), m, v LAMB moments, v LARS momentum
 // buffer, t step count, lambda weight decay, kappa trust coefficient, mu momentum.
 #pragma once
@@ -99,7 +99,7 @@ FUSEDOPT_HD void lamb_moments(T g, T& m, T& v, const LambCoef<T>& c) {
 //
 // Note [bias-correction factors]: m_hat = m * r1 and sqrt(v_hat) = sqrt(v) * r2 with the per-tensor
 // factors r1 = 1/(1-beta1^t), r2 = 1/sqrt(1-beta2^t), computed in double and rounded once. That is
-// SPEC's u exactly in real arithmetic, with one division and one square root per element instead
+// docs/math.md's u exactly in real arithmetic, with one division and one square root per element instead
 // of three divisions and a root (division and root are the slowest vector instructions, and LAMB
 // runs them in both passes); each value is within a few ulp of the three-division form. Every
 // backend evaluates u in this order (fusedopt/kernels/math.py, fusedopt/backends/eager.py).

@@ -14,25 +14,25 @@ A backend implements the two passes of a trust-ratio step for one :class:`~fused
 global clipping, ``1 / (scale · c)``); ``found_inf`` (0-dim tensor or None), when nonzero, makes the
 whole step a no-op. Neither is ever read on the host.
 
-Optional hooks for the optimizer's plan cache (Note [plan cache] in fusedopt/optim.py), with
-working defaults: ``fits_cached_bucket`` (may a cached bucket take this step's grads?),
-``take_cached_grads`` (read the grads natively instead of a Python list; default: no) and
-``grad_sq_norms`` (the grads' ``Σg²`` for global clipping, also when they were taken natively).
+``accepts_grads(b)`` answers whether a bucket kept from an earlier step (Note [list cache] in
+fusedopt/optim.py) can take this step's grads; ``grad_sq_norms`` gives the grads' ``Σg²``.
 """
 from __future__ import annotations
 
 import importlib
-from operator import attrgetter, methodcaller
+from operator import attrgetter, eq, methodcaller
 from typing import TYPE_CHECKING
 
 import torch
 
 _DTYPE = attrgetter("dtype")
+_DEVICE = attrgetter("device")
+_SHAPE = attrgetter("shape")
 _LAYOUT = attrgetter("layout")
 _CONTIGUOUS = methodcaller("is_contiguous")
 
 if TYPE_CHECKING:
-    from ..functional import Bucket
+    from .._bucket import Bucket
     from .._hyper import LambHyper, LarsHyper
 
 
@@ -65,23 +65,16 @@ class Backend:
         """Per-tensor Σg² of the bucket's grads, ``[n]`` (global clipping)."""
         return self.sq_norms(b.grads)
 
-    def take_cached_grads(self, persistent: dict, grad_dtype: torch.dtype) -> bool:
-        """For a cached bucket that holds every param of its group: read the params' grads
-        natively, without a Python list (Note [grads taken in C++] in csrc/cpu/ops.h), if they fit
-        as ``fits_cached_bucket`` would check. True: the step's bucket gets ``grads=None`` and the
-        backend's passes and ``grad_sq_norms`` use the taken grads. False (the default): the
-        optimizer gathers ``[p.grad for p in params]`` itself."""
-        return False
-
-    def fits_cached_bucket(self, persistent: dict, params: list[torch.Tensor],
-                           grads: list[torch.Tensor], param_dtype: torch.dtype,
-                           grad_dtype: torch.dtype) -> bool:
-        """Whether a bucket cached by the optimizer (Note [plan cache]) can take this step's
-        ``grads``: the params still have ``param_dtype``, and the grads are strided, contiguous
-        and of ``grad_dtype``. ``persistent`` is the cached buckets' dict (a backend that keeps a
-        native handle there may answer from it, as the cpp backend does)."""
-        return (set(map(_DTYPE, params)) == {param_dtype} and set(map(_DTYPE, grads)) == {grad_dtype}
-                and set(map(_LAYOUT, grads)) == {torch.strided} and all(map(_CONTIGUOUS, grads)))
+    def accepts_grads(self, b: Bucket, grad_dtype: torch.dtype) -> bool:
+        """Whether ``b``, kept from an earlier step with its lists unchanged, can take its new
+        ``grads``: strided, contiguous, of ``grad_dtype`` and the bucket's device, one per param and of
+        its shape. False sends the step down the path that checks everything and says what is
+        wrong."""
+        ps, gs = b.params, b.grads
+        return (len(gs) == len(ps) and set(map(_DTYPE, gs)) == {grad_dtype}
+                and set(map(_LAYOUT, gs)) == {torch.strided} and all(map(_CONTIGUOUS, gs))
+                and set(map(_DEVICE, gs)) == {b.device}
+                and all(map(eq, map(_SHAPE, gs), map(_SHAPE, ps))))
 
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf) -> torch.Tensor:
         raise NotImplementedError

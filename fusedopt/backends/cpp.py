@@ -18,19 +18,11 @@ import os
 import torch
 
 from . import Backend
-from ..functional import Bucket
+from .._bucket import Bucket
 from .._hyper import LambHyper, LarsHyper
 
 _SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _BUILD_ERRORS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_errors.txt")
-
-# Order of the doubles of the operators' ``hyper`` argument: LambField / LarsField in
-# csrc/cpu/ops.h (the fields of LambHyper / LarsHyper in csrc/fusedopt/math.h).
-LAMB_FIELDS = ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay", "ratio_lo", "ratio_hi",
-               "bias_correction", "adapt", "decoupled", "bounded")
-LARS_FIELDS = ("lr", "momentum", "dampening", "weight_decay", "trust_coefficient", "eps",
-               "nesterov", "trust_clip", "combined", "lr_in_momentum", "adapt")
-
 
 def load_extension(module: str, what: str, guidance: str) -> None:
     """Import ``fusedopt.<module>``, or raise ImportError naming it, the build error recorded at
@@ -46,9 +38,11 @@ def load_extension(module: str, what: str, guidance: str) -> None:
 
 
 def _hyper_args(h, fields: tuple[str, ...], device: torch.device):
-    """``hyper`` as a list of doubles, and a tensor ``lr`` (None when lr is a number)."""
+    """``hyper`` as a list of doubles in the order of ``fields``, and a tensor ``lr`` (None when
+    lr is a number)."""
     lr = h.lr if isinstance(h.lr, torch.Tensor) else None
-    values = [0.0 if (name == "lr" and lr is not None) else float(getattr(h, name)) for name in fields]
+    values = [0.0 if (name == "lr" and lr is not None) else float(getattr(h, name))
+              for name in fields]
     if lr is not None:
         lr = lr.to(device=device, dtype=torch.float64)
     return values, lr
@@ -110,6 +104,11 @@ class CppBackend(Backend):
             _register_fakes()
             _fakes_registered = True
         self._ops = torch.ops.fusedopt
+        from .. import _C
+        # the names of the doubles of the operators' ``hyper`` argument in the order the C++ side
+        # reads them (generated from the LambField / LarsField enums of csrc/cpu/ops.h): Python
+        # fills them by name from LambHyper / LarsHyper
+        self.fields = {"lamb": tuple(_C.lamb_fields()), "lars": tuple(_C.lars_fields())}
 
     def unavailable_reason(self, device, param_dtype, grad_dtype):
         if device.type != "cpu":
@@ -125,36 +124,27 @@ class CppBackend(Backend):
 
     def _static_lists(self, b: Bucket):
         """The bucket's lists but grads, held by a C++ ``BucketLists`` (Note [static lists] in
-        csrc/cpu/ops.h) kept in ``b.persistent``; None for a one-off bucket, which goes through
-        the operators."""
-        if b.persistent is None or not self._has_static_lists:
+        csrc/cpu/ops.h) kept in ``b.handles`` while the lists stay the same; None for a one-off
+        bucket and under torch.compile, which go through the operators."""
+        if b.handles is None or not self._has_static_lists or torch.compiler.is_compiling():
             return None
-        lists = b.persistent.get(self.name)
+        lists = b.handles.get(self.name)
         if lists is None:
             from .. import _C
-            lists = b.persistent[self.name] = _C.BucketLists(
+            lists = b.handles[self.name] = _C.BucketLists(
                 b.weights, _low_precision_params(b), b.exp_avgs or [], b.exp_avg_sqs or [],
-                b.momentum_buffers or [], b.steps, b.params)
+                b.momentum_buffers or [], b.steps)
         return lists
 
-    def grad_sq_norms(self, b: Bucket):
-        if b.grads is None:  # taken by take_cached_grads
-            return self._static_lists(b).taken_grad_sq_norms()
-        return super().grad_sq_norms(b)
-
-    def take_cached_grads(self, persistent, grad_dtype):
-        lists = persistent.get(self.name) if self._has_static_lists else None
-        return lists is not None and lists.take_grads(grad_dtype)
-
-    def fits_cached_bucket(self, persistent, params, grads, param_dtype, grad_dtype):
-        lists = persistent.get(self.name) if self._has_static_lists else None
+    def accepts_grads(self, b: Bucket, grad_dtype) -> bool:
+        lists = self._static_lists(b)
         if lists is None:
-            return super().fits_cached_bucket(persistent, params, grads, param_dtype, grad_dtype)
-        return lists.accepts(grads, grad_dtype)  # the params are the lists' weights or params
+            return super().accepts_grads(b, grad_dtype)
+        return lists.accepts(b.grads, grad_dtype)  # dtype, layout, numel and strides, in C++
 
     # ----------------------------------------------------------------- LAMB
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
-        hyper, _ = _hyper_args(h, LAMB_FIELDS, b.device)
+        hyper, _ = _hyper_args(h, self.fields["lamb"], b.device)
         lists = self._static_lists(b)
         if lists is not None:
             return lists.lamb_pass1(b.grads, hyper, grad_mult, found_inf)
@@ -162,7 +152,7 @@ class CppBackend(Backend):
                                     grad_mult, found_inf)
 
     def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
-        hyper, lr = _hyper_args(h, LAMB_FIELDS, b.device)
+        hyper, lr = _hyper_args(h, self.fields["lamb"], b.device)
         lists = self._static_lists(b)
         if lists is not None:
             return lists.lamb_pass2(sums, hyper, lr, found_inf)
@@ -171,14 +161,14 @@ class CppBackend(Backend):
 
     # ----------------------------------------------------------------- LARS
     def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
-        hyper, _ = _hyper_args(h, LARS_FIELDS, b.device)
+        hyper, _ = _hyper_args(h, self.fields["lars"], b.device)
         lists = self._static_lists(b)
         if lists is not None:
             return lists.lars_pass1(b.grads, hyper, grad_mult, found_inf)
         return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)
 
     def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
-        hyper, lr = _hyper_args(h, LARS_FIELDS, b.device)
+        hyper, lr = _hyper_args(h, self.fields["lars"], b.device)
         lists = self._static_lists(b)
         if lists is not None:
             return lists.lars_pass2(b.grads, sums, hyper, lr, grad_mult, found_inf)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from . import Backend
-from ..functional import Bucket, bias_correction
+from .._bucket import Bucket, bias_correction
 from .._hyper import LambHyper, LarsHyper
 
 
 def zero_norm_rule(w_norm: torch.Tensor, other_norm: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """SPEC's zero-norm rule: the trust ratio is exactly 1 where ``‖w‖`` or the other norm of its
+    """docs/math.md's zero-norm rule: the trust ratio is exactly 1 where ``‖w‖`` or the other norm of its
     formula (``‖u‖`` for LAMB, the gradient norm for LARS) is 0; a NaN norm gives a NaN ratio
     (Note [NaN propagation] in csrc/fusedopt/math.h; ``clamp`` keeps NaN too)."""
     return torch.where((w_norm == 0) | (other_norm == 0), torch.ones_like(ratio), ratio)

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from . import Backend
-from ..functional import Bucket
+from .._bucket import Bucket
 from .._hyper import LambHyper, LarsHyper
 from ..flat import _dense_layout
 

@@ -1,4 +1,4 @@
-"""LAMB's two launches (SPEC.md, NVLAMB form) over a bucket's tables (kernels/tables.py).
+"""LAMB's two launches (docs/math.md, NVLAMB form) over a bucket's tables (kernels/tables.py).
 
 Pass 1 (``lamb_pass1_kernel``), per element, with ``t`` the new step count::
 
@@ -10,7 +10,7 @@ Pass 2 (``lamb_pass2_kernel``) recomputes ``u`` from the stored ``w, m, v`` and 
 count, takes ``φ`` from ``sums`` (which may have been all-reduced in between) and writes
 ``w ← w·decay − lr·φ·u`` to the weight (the fp32 master, and the param rounded to nearest even).
 Memory traffic per element: pass 1 reads w, g, m, v and writes m, v; pass 2 reads w, m, v and
-writes w: SPEC.md's 40 bytes for float32.
+writes w: docs/math.md's 40 bytes for float32.
 
 Hyper-parameters are float64 runtime arguments (Note [float64 scalars] in math.py); constexprs
 are structural only: dtypes, variant flags, presence of optional tensors, tile sizes.

@@ -1,11 +1,11 @@
-"""LARS's two launches (SPEC.md, the form of Paddle's ``lars_momentum``) over a bucket's tables.
+"""LARS's two launches (docs/math.md, the form of Paddle's ``lars_momentum``) over a bucket's tables.
 
 Pass 1 (``lars_pass1_kernel``) reads w and g and writes ``sums[i] = (Σ w², Σ g²)``, or
 ``(Σ w², Σ (g + λw)²)`` for ``denominator="combined"``, finalised in the same launch by the
 last program of each tensor (Note [two-stage norms] in norms.py), which also advances the step
 count. Pass 2 (``lars_pass2_kernel``) takes the trust ratio from ``sums`` (possibly all-reduced in
 between), reads w, g, v and writes v and w (the fp32 master, and the param rounded to nearest
-even). Memory traffic per element: 8 + 20 bytes, SPEC.md's 28 for float32.
+even). Memory traffic per element: 8 + 20 bytes, docs/math.md's 28 for float32.
 """
 import triton
 import triton.language as tl

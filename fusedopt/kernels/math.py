@@ -1,4 +1,4 @@
-"""Per-element LAMB and LARS math for the Triton kernels: the Triton statement of SPEC.md.
+"""Per-element LAMB and LARS math for the Triton kernels: the Triton statement of docs/math.md.
 
 The functions carry the names of ``csrc/fusedopt/math.h`` (and of the eager backend) and compute
 the same expressions in the same order, so the backends agree to the last bit wherever the
