@@ -52,10 +52,23 @@ def _is_real(x: Any) -> bool:
 def _check_lr(lr: Any) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or lr.is_complex() or not lr.is_floating_point():
-            raise ValueError(f"Invalid lr: a tensor lr must be a real floating-point scalar, got {lr!r}")
+            raise ValueError(f"Invalid lr: a tensor lr must be a real floating-point tensor of one "
+                             f"element, got {lr!r}")
+        if lr.device.type == "meta":
+            raise ValueError("Invalid lr: a tensor lr on the meta device holds no value")
+        if not torch.compiler.is_compiling():  # a traced step reads no value on the host
+            check_lr_value(lr)
         return
     if not _is_real(lr) or not (lr >= 0.0) or math.isinf(lr):
         raise ValueError(f"Invalid lr: {lr!r}; expected a finite number >= 0")
+
+
+def check_lr_value(lr: torch.Tensor) -> None:
+    """The value of a tensor lr: finite and >= 0. Reads it on the host (a device sync for an
+    accelerator tensor), so the optimizers check it only when the tensor is new to them."""
+    value = float(lr.detach().reshape(()).item())
+    if not (value >= 0.0) or math.isinf(value):
+        raise ValueError(f"Invalid lr: a tensor lr holds {value!r}; expected a finite number >= 0")
 
 
 def _check_nonneg(name: str, x: Any) -> None:
@@ -91,7 +104,11 @@ def validate_lamb_group(g: dict[str, Any]) -> None:
     for i, b in enumerate(betas, start=1):
         if not _is_real(b) or not (0.0 <= b < 1.0):
             raise ValueError(f"Invalid beta{i}: {b!r}; expected 0 <= beta{i} < 1")
-    _check_nonneg("eps", g["eps"])
+    eps = g["eps"]
+    if not _is_real(eps) or not (eps > 0.0) or math.isinf(eps):
+        # u = m / (sqrt(v) + eps) is 0/0 for an element whose gradient has been 0 at every step
+        raise ValueError(f"Invalid eps: {eps!r}; expected a finite number > 0 (LAMB divides by "
+                         "sqrt(v) + eps, which is 0 where all gradients so far were 0)")
     _check_nonneg("weight_decay", g["weight_decay"])
     for name in ("bias_correction", "grad_averaging", "decoupled_weight_decay", "adapt"):
         _check_bool(name, g[name])
@@ -103,9 +120,10 @@ def validate_lamb_group(g: dict[str, Any]) -> None:
                 f"Invalid trust_ratio_bounds: {bounds!r}; expected None or a pair (lo, hi)"
             )
         lo, hi = bounds
-        if not (0.0 <= lo <= hi):
+        if not (0.0 <= lo <= hi) or math.isinf(lo):
             raise ValueError(
-                f"Invalid trust_ratio_bounds: {bounds!r}; expected 0 <= lo <= hi"
+                f"Invalid trust_ratio_bounds: {bounds!r}; expected 0 <= lo <= hi, lo finite "
+                "(hi may be inf: no upper bound)"
             )
 
 
@@ -133,6 +151,27 @@ def validate_lars_group(g: dict[str, Any]) -> None:
             f"Invalid denominator: {g['denominator']!r}; expected one of {DENOMINATORS}"
         )
     _check_max_grad_norm(g["max_grad_norm"])
+
+
+def check_representable(h: "LambHyper | LarsHyper", dtype: torch.dtype) -> None:
+    """Raise ValueError for a hyper-parameter that the compute dtype ``dtype`` cannot hold: a
+    float32 step would compute with inf (then NaN params) where the number is finite in Python."""
+    info = torch.finfo(dtype)
+    values = [("lr", h.lr), ("weight_decay", h.weight_decay), ("eps", h.eps),
+              ("max_grad_norm", h.max_grad_norm)]
+    if isinstance(h, LambHyper):
+        values += [("trust_ratio_bounds", h.ratio_lo)]
+        if not math.isinf(h.ratio_hi):  # inf: no upper bound
+            values += [("trust_ratio_bounds", h.ratio_hi)]
+    else:
+        values += [("trust_coefficient", h.trust_coefficient)]
+    for name, x in values:
+        if isinstance(x, float) and x > info.max:
+            raise ValueError(f"Invalid {name}: {x!r} overflows {dtype} (max {info.max:.4g}), the "
+                             "dtype this step computes in")
+    if isinstance(h, LambHyper) and h.eps < info.tiny:
+        raise ValueError(f"Invalid eps: {h.eps!r} is below the smallest normal {dtype} "
+                         f"({info.tiny:.4g}), the dtype this step computes in")
 
 
 @dataclass(frozen=True)
@@ -172,11 +211,18 @@ class LarsHyper:
     max_grad_norm: float | None
 
 
+def _lr(lr: float | torch.Tensor) -> float | torch.Tensor:
+    # a tensor lr of one element, whatever its shape, is used as a 0-dim tensor by every backend
+    if isinstance(lr, torch.Tensor):
+        return lr if lr.dim() == 0 else lr.reshape(())
+    return float(lr)
+
+
 def lamb_hyper(g: dict[str, Any]) -> LambHyper:
     beta1, beta2 = (float(b) for b in g["betas"])
     bounds = g["trust_ratio_bounds"]
     return LambHyper(
-        lr=g["lr"] if isinstance(g["lr"], torch.Tensor) else float(g["lr"]),
+        lr=_lr(g["lr"]),
         beta1=beta1,
         beta2=beta2,
         beta3=(1.0 - beta1) if g["grad_averaging"] else 1.0,
@@ -194,7 +240,7 @@ def lamb_hyper(g: dict[str, Any]) -> LambHyper:
 
 def lars_hyper(g: dict[str, Any]) -> LarsHyper:
     return LarsHyper(
-        lr=g["lr"] if isinstance(g["lr"], torch.Tensor) else float(g["lr"]),
+        lr=_lr(g["lr"]),
         momentum=float(g["momentum"]),
         dampening=float(g["dampening"]),
         weight_decay=float(g["weight_decay"]),

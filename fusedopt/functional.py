@@ -31,8 +31,8 @@ import torch
 
 from . import backends as _backends
 from ._bucket import Bucket, bias_correction, compute_dtype
-from ._hyper import (LambHyper, LarsHyper, check_backend_name, lamb_hyper, lars_hyper,
-                     validate_lamb_group, validate_lars_group)
+from ._hyper import (LambHyper, LarsHyper, check_backend_name, check_representable, lamb_hyper,
+                     lars_hyper, validate_lamb_group, validate_lars_group)
 from .flat import _dense_layout
 
 __all__ = ["Bucket", "SqSumReducer", "TensorGroup", "bias_correction", "compute_dtype", "lamb",
@@ -126,16 +126,30 @@ def check_tensors(kind: str, gi: int, params: list[torch.Tensor], grads: list[to
 
 
 # ------------------------------------------------------------------------------ buckets
+def cached_bucket(g: TensorGroup):
+    """The (backend, bucket) kept in ``g.cache`` (Note [list cache]) with this step's grads, when
+    its backend accepts them and its tensors did not change; None when no bucket is kept, False
+    when the kept one refused (its params changed dtype or layout, or the grads do not fit)."""
+    hit = g.cache.get("buckets") if g.cache is not None else None
+    if hit is None or hit[0] is not g.params or hit[1] != g.backend:
+        return None
+    be, template, param_dtype, grad_dtype = hit[2]
+    b = dataclasses.replace(template, grads=g.grads, scratch={}, writeback=[])
+    if b.param_dtype == param_dtype and be.accepts_grads(b, grad_dtype):
+        return be, b
+    return False
+
+
 def _buckets(kind: str, gi: int, g: TensorGroup) -> list[tuple[_backends.Backend, Bucket]]:
     """The group's (backend, bucket) pairs; raises before anything is modified."""
     cache = g.cache
     if cache is not None:
-        hit = cache.get("buckets")
-        if hit is not None and hit[0] is g.params and hit[1] == g.backend:
-            be, template, grad_dtype = hit[2]
-            b = dataclasses.replace(template, grads=g.grads, scratch={}, writeback=[])
-            if be.accepts_grads(b, grad_dtype):
-                return [(be, b)]
+        ready = cache.pop("ready", None)
+        if ready is not None and ready[0] is g.grads:
+            return [ready[1]]
+        hit = cached_bucket(g)
+        if hit:
+            return [hit]
     devices, p_dtypes, g_dtypes = check_tensors(kind, gi, g.params, g.grads)
     for p, gr in zip(g.params, g.grads):
         if p.shape != gr.shape:
@@ -151,18 +165,18 @@ def _buckets(kind: str, gi: int, g: TensorGroup) -> list[tuple[_backends.Backend
     for key, idx in keys.items():
         be = g.backend if isinstance(g.backend, _backends.Backend) else _backends.resolve(
             g.backend, *key)
-        out.append((be, _bucket(g, list(idx), key)))
+        out.append((be, _bucket(kind, gi, g, list(idx), key)))
     if cache is not None:
         cache.pop("buckets", None)
         if len(out) == 1 and not out[0][1].writeback:
             be, b = out[0]
-            cache["buckets"] = (g.params, g.backend,
-                                (be, dataclasses.replace(b, grads=[]), b.grad_dtype))
-            b.handles = cache.setdefault("handles", {})
+            cache["buckets"] = (g.params, g.backend, (be, dataclasses.replace(b, grads=[]),
+                                                      b.param_dtype, b.grad_dtype))
+            b.handles = cache["handles"] = {}  # a new bucket: no handle of an old one
     return out
 
 
-def _bucket(g: TensorGroup, idx: list[int], key) -> Bucket:
+def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int], key) -> Bucket:
     """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
     step) for any row whose tensors do not share one dense layout."""
     def pick(xs):
@@ -177,8 +191,13 @@ def _bucket(g: TensorGroup, idx: list[int], key) -> Bucket:
                exp_avgs=pick(g.exp_avgs), exp_avg_sqs=pick(g.exp_avg_sqs),
                momentum_buffers=pick(g.momentum_buffers), masters=masters, sources=pick(g.sources),
                requested_backend=getattr(g.backend, "name", g.backend))
+    _check_bucket(kind, gi, b)
     if g.workspaces is not None:
         b.workspace = g.workspaces.setdefault(key, {})
+    for i, (p, gr) in enumerate(zip(b.params, b.grads)):
+        if gr.numel() == 0 and gr.stride() != p.stride():
+            # nothing to read, but the fused backends compare strides: an empty stand-in
+            b.grads[i] = torch.empty_strided(p.shape, p.stride(), dtype=gr.dtype, device=gr.device)
     rows = [b.params, b.grads] + [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers,
                                                  b.masters) if xs is not None]
     if all(x.is_contiguous() for xs in rows for x in xs):
@@ -192,6 +211,47 @@ def _bucket(g: TensorGroup, idx: list[int], key) -> Bucket:
                 b.writeback.append((xs[i], stand_in))
             xs[i] = stand_in
     return b
+
+
+def _check_bucket(kind: str, gi: int, b: Bucket) -> None:
+    """Raise, naming the group, the row and the state key, on state that does not fit its param:
+    every backend needs the same layout, so a step refuses it before any tensor is written.
+    Set-based over the bucket's rows (one param dtype, one device), a loop only to name the row."""
+    name = _name(kind)
+    dev, cd = b.device, b.compute_dtype
+
+    def bad(i: int, what: str):
+        p = b.params[i]
+        return RuntimeError(f"{name}: param group {gi}, param {i} of those with grads (shape "
+                            f"{tuple(p.shape)}, {p.dtype}): {what}")
+
+    step_ok = (torch.float32, 0, dev)
+    if {(s.dtype, s.dim(), s.device) if isinstance(s, torch.Tensor) else None
+            for s in b.steps} != {step_ok}:
+        i, s = next((i, s) for i, s in enumerate(b.steps) if not isinstance(s, torch.Tensor)
+                    or (s.dtype, s.dim(), s.device) != step_ok)
+        got = (f"{s.dtype} of shape {list(s.shape)} on {s.device}"
+               if isinstance(s, torch.Tensor) else repr(s))
+        raise bad(i, f"state 'step' must be a 0-dim float32 tensor on {dev}, got {got} "
+                     "(load_state_dict converts other step formats)")
+    shapes = [p.shape for p in b.params]
+    for key, xs in (("exp_avg", b.exp_avgs), ("exp_avg_sq", b.exp_avg_sqs),
+                    ("momentum_buffer", b.momentum_buffers), ("master_param", b.masters)):
+        if xs is None:
+            continue
+        if ({(x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in xs}
+                == {(cd, dev)} and [x.shape for x in xs] == shapes):
+            continue
+        for i, x in enumerate(xs):
+            if not isinstance(x, torch.Tensor):
+                raise bad(i, f"state {key!r} is {type(x).__name__}, not a tensor")
+            if (x.dtype, x.device, x.shape) != (cd, dev, shapes[i]):
+                raise bad(i, f"state {key!r} must be a {cd} tensor of the param's shape on "
+                             f"{dev}, got {x.dtype} of shape {tuple(x.shape)} on {x.device}")
+    for i, p in enumerate(b.params):
+        if not p.is_contiguous() and torch._debug_has_internal_overlap(p) == 1:
+            raise bad(i, "its elements overlap in memory (stride 0, e.g. an expand()ed tensor): "
+                         "an update cannot be written in place")
 
 
 # --------------------------------------------------------------------------------- step
@@ -217,6 +277,20 @@ def _prepared(kind: str, plan, has_scale: bool, has_found_inf: bool):
             row.append((be, b))
         out.append((h, row))
     return out
+
+
+def _check_hyper(kind: str, gi: int, h, entries) -> None:
+    """What a group's hyper-parameters need of its buckets: values their compute dtype holds, and
+    a tensor lr on the CPU or the bucket's device."""
+    for _, b in entries:
+        try:
+            check_representable(h, b.compute_dtype)
+        except ValueError as e:
+            raise ValueError(f"{_name(kind)}: param group {gi}: {e}") from None
+        lr = h.lr
+        if isinstance(lr, torch.Tensor) and lr.device not in (torch.device("cpu"), b.device):
+            raise ValueError(f"{_name(kind)}: param group {gi}: a tensor lr must be on the CPU or "
+                             f"on the params' device ({b.device}), not {lr.device}")
 
 
 def _grad_total(plan, reducer) -> torch.Tensor:
@@ -271,7 +345,12 @@ def trust_ratio_step(
     """
     if kind not in ("lamb", "lars"):
         raise ValueError(f"kind must be 'lamb' or 'lars', got {kind!r}")
-    plan = [(g.hyper, _buckets(kind, gi, g)) for gi, g in enumerate(groups) if g.params]
+    plan = []
+    for gi, g in enumerate(groups):
+        if g.params:
+            entries = _buckets(kind, gi, g)
+            _check_hyper(kind, gi, g.hyper, entries)
+            plan.append((g.hyper, entries))
     if not plan:
         return
     plan = _prepared(kind, plan, grad_scale is not None, found_inf is not None or skip_nonfinite)

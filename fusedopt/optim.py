@@ -27,9 +27,10 @@ from ._hyper import (
 )
 from ._state import OptimizerState
 from .flat import _aligned_offsets
-from .functional import TensorGroup, trust_ratio_step
+from .functional import TensorGroup, cached_bucket, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_MISSING = object()  # an option deleted from a param group
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -84,9 +85,12 @@ class _TrustRatioOptimizer(Optimizer):
             raise ValueError(f"Invalid skip_nonfinite: {skip_nonfinite!r}; expected True or False")
         self.skip_nonfinite = skip_nonfinite
         self._reducer = None
+        self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
         self.state = OptimizerState(self.state)
         self._fresh()
+        # add_param_group checked every group (Note [option checks])
+        self._checked = {gi: self._option_values(g) for gi, g in enumerate(self.param_groups)}
         first = next((p for g in self.param_groups for p in g["params"]), None)
         device = _local(first).device if first is not None else torch.device("cpu")
         #: steps skipped by ``skip_nonfinite`` since construction (an int64 tensor, never read on
@@ -95,6 +99,8 @@ class _TrustRatioOptimizer(Optimizer):
 
     def _fresh(self) -> None:
         self._lists: dict[int, _Lists] = {}
+        self._checked: dict[int, tuple] = {}  # Note [option checks]
+        self._pending: tuple[list, list] | None = None  # Note [refused steps]
         self._workspaces: dict[int, dict] = {}
         self._lock = threading.Lock()
 
@@ -105,19 +111,51 @@ class _TrustRatioOptimizer(Optimizer):
     def _hyper(self, group: dict[str, Any]):
         raise NotImplementedError
 
+    def _check_options(self, group: dict[str, Any]) -> None:
+        """Every option of a param group (ValueError naming the first invalid one)."""
+        self._validate_group(group)
+        check_backend_name(group["backend"])
+        if not isinstance(group["capturable"], bool):
+            raise ValueError(f"Invalid capturable: {group['capturable']!r}; expected True or False")
+        mw = group["master_weights"]
+        if mw is not None and not isinstance(mw, bool):
+            raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         candidate = dict(self.defaults)
         candidate.update({k: v for k, v in param_group.items() if k != "params"})
-        self._validate_group(candidate)
-        check_backend_name(candidate["backend"])
-        if not isinstance(candidate["capturable"], bool):
-            raise ValueError(f"Invalid capturable: {candidate['capturable']!r}; expected True or False")
-        mw = candidate["master_weights"]
-        if mw is not None and not isinstance(mw, bool):
-            raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
+        self._check_options(candidate)
         super().add_param_group(param_group)
         if hasattr(self, "_lists"):
             self._lists.clear()
+
+    def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
+        """Note [option checks]: a group's options are checked when the group is added and again
+        at the step after any of them was replaced (by a scheduler, by hand, by
+        ``load_state_dict``): the values last checked are kept and compared by identity, which
+        costs one pass over a dozen keys. A tensor ``lr`` changed in place (as torch's schedulers
+        do) is the same object and its value is not read again: a step reads no tensor value on
+        the host (on an accelerator that would be a device sync per step)."""
+        values = self._option_values(group)
+        seen = self._checked.get(gi)
+        if seen is not None and all(map(is_, values, seen)):
+            return
+        missing = [k for k, v in zip(self._option_keys, values) if v is _MISSING]
+        if missing:
+            key = missing[0]
+            raise ValueError(f"{type(self).__name__}: param group {gi} has no option {key!r} "
+                           "(deleted after construction?)")
+        self._named(gi, self._check_options, group)
+        self._checked[gi] = values
+
+    def _option_values(self, group: dict[str, Any]) -> tuple:
+        return tuple(group.get(k, _MISSING) for k in self._option_keys)
+
+    def _named(self, gi: int, check, *args) -> None:
+        try:
+            check(*args)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{type(self).__name__}: param group {gi}: {e}") from None
 
     def __getstate__(self) -> dict[str, Any]:
         out = super().__getstate__()
@@ -132,6 +170,7 @@ class _TrustRatioOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._option_keys = tuple(self.defaults)
         self.state = OptimizerState(self.state)
         self.__dict__.setdefault("skip_nonfinite", False)
         self.__dict__.setdefault("_reducer", None)
@@ -226,12 +265,13 @@ class _TrustRatioOptimizer(Optimizer):
             _backends.resolve(group["backend"], *key)
         if len(set(map(id, ps))) != len(ps):
             raise ValueError(f"{type(self).__name__}: param group {gi} holds the same param twice")
-        fresh = [p for p in ps if not self.state.get(p)]
-        if fresh:
-            self._init_states(group, fresh)
         name = type(self).__name__
+        fresh, stale = [], []
         for p, lp in zip(ps, lps):
-            st = self.state[p]
+            st = self.state.get(p)
+            if not st:
+                fresh.append(p)
+                continue
             master = self._uses_master(group, lp)
             missing = [k for k in ("step", *self._state_keys, *(("master_param",) if master else ()))
                        if not isinstance(st.get(k), torch.Tensor)]
@@ -242,13 +282,24 @@ class _TrustRatioOptimizer(Optimizer):
                     f"has no state tensor {missing[0]!r} (a state dict of another optimizer, or "
                     f"master weights switched on after steps?)")
             if not master and "master_param" in st:
-                del st["master_param"]  # stale: the param itself is the weight from now on
+                stale.append(p)
+        if fresh:
+            self._init_states(group, fresh)
+        # Note [refused steps]: what a step that raises must undo (state it created) and what it
+        # does only once it succeeded (dropping stale masters); at once under torch.compile
+        pending = self._pending
+        if pending is not None:
+            pending[0].extend(fresh)
+            pending[1].extend(stale)
+        else:
+            for p in stale:
+                del self.state[p]["master_param"]
         for p, lp in zip(ps, lps):
             st = self.state[p]
             params.append(lp)
             grads.append(_local(p.grad))
             steps.append(st["step"])
-            master = st.get("master_param")
+            master = st.get("master_param") if self._uses_master(group, lp) else None  # not stale
             masters.append(None if master is None else _local(master))
             if self._kind == "lamb":
                 exp_avgs.append(_local(st["exp_avg"]))
@@ -261,6 +312,7 @@ class _TrustRatioOptimizer(Optimizer):
 
     def _group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
         """The group's TensorGroup, from the list cache when nothing changed (Note [list cache])."""
+        self._checked_options(gi, group)
         all_ps = group["params"]
         grads = [p.grad for p in all_ps]
         with_grad = tuple(g is not None for g in grads) if None in grads else None
@@ -273,7 +325,13 @@ class _TrustRatioOptimizer(Optimizer):
             g = hit.group
             g.hyper = self._hyper(group)
             g.grads = grads if with_grad is None else [x for x in grads if x is not None]
-            return g
+            ready = cached_bucket(g)
+            if ready is not False:
+                if ready:
+                    g.cache["ready"] = (g.grads, ready)  # taken by this step's trust_ratio_step
+                return g
+            # the kept bucket refused (a param changed dtype or shape in place): gather again,
+            # which checks everything and names what is wrong
         lists: tuple[list, ...] = ([], [], [], [], [], [], [], [])
         sharded = self._init_group(group, *lists)
         params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists
@@ -289,7 +347,8 @@ class _TrustRatioOptimizer(Optimizer):
 
     def _traced_groups(self) -> list[TensorGroup]:
         groups = []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
+            self._named(gi, self._check_options, group)
             params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = (
                 [], [], [], [], [], [], [], [])
             self._init_group(group, params, grads, steps, exp_avgs, exp_avg_sqs,
@@ -325,6 +384,7 @@ class _TrustRatioOptimizer(Optimizer):
             raise RuntimeError(
                 f"{type(self).__name__}.step() called while another thread is in step() of the "
                 "same optimizer; serialize the calls (one optimizer per thread is fine)")
+        self._pending = ([], [])  # Note [refused steps]: (params given state, stale masters)
         try:
             groups = [self._group(gi, g) for gi, g in enumerate(self.param_groups)]
             try:
@@ -332,7 +392,17 @@ class _TrustRatioOptimizer(Optimizer):
             finally:
                 for g in groups:
                     g.grads = []  # the cache keeps no grad past the step (zero_grad frees them)
+        except BaseException:
+            for p in self._pending[0]:
+                self.state.pop(p, None)
+            raise
+        else:
+            for p in self._pending[1]:
+                # stale: the param itself has been the weight since master weights were turned
+                # off; a master kept would restore old weights when they are turned on again
+                self.state[p].pop("master_param", None)
         finally:
+            self._pending = None
             self._lock.release()
         return loss
 
@@ -354,6 +424,7 @@ class _TrustRatioOptimizer(Optimizer):
         group keeps the ``backend`` it was built with (how this process runs, not state)."""
         backends = [g["backend"] for g in self.param_groups]
         super().load_state_dict(state_dict)
+        self._checked.clear()  # Note [option checks]: the loaded options are checked at step()
         for g, be in zip(self.param_groups, backends):
             g["backend"] = be
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -368,8 +439,10 @@ class _TrustRatioOptimizer(Optimizer):
                                       or isinstance(value, torch.Tensor) and value.numel() == 1):
                     # one rule for every backend: a float32 0-dim tensor on the param's device
                     # (torch's older Python-number format and int64 steps converted)
-                    self.state[p][key] = torch.as_tensor(value).reshape(()).to(
-                        device=lp.device, dtype=torch.float32)
+                    if not (isinstance(value, torch.Tensor) and value.dim() == 0
+                            and value.dtype == torch.float32 and value.device == lp.device):
+                        self.state[p][key] = torch.as_tensor(value).reshape(()).to(
+                            device=lp.device, dtype=torch.float32, copy=True)
                 if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                     continue
                 if key == "step":

@@ -24,7 +24,7 @@ LAMB_CASES = {
     "bounds": dict(trust_ratio_bounds=(0.8, 1.2)),
     "decoupled": dict(decoupled_weight_decay=True, weight_decay=0.1),
     "no_adapt": dict(adapt=False),
-    "eps0": dict(eps=0.0),
+    "eps_tiny": dict(eps=1e-30),  # the smallest eps class (eps=0 is refused: 0/0 at g=0)
 }
 LARS_CASES = {
     "default": dict(weight_decay=1e-4),

@@ -69,9 +69,25 @@ void dispatch_param_out(bool has_params, at::ScalarType p_dtype, const F& f) {
 
 // ------------------------------------------------------------------------------ input checks
 
+// Whether dense t lays its elements out as dense w does, so that both walk as flat arrays of
+// numel() elements from data_ptr() in the same order: equal sizes, and equal strides on every
+// dimension of size > 1 (a size-1 dimension's stride is never used; a tensor of at most one
+// element has a single layout).
+bool same_layout(const at::Tensor& t, const at::Tensor& w) {
+  const c10::TensorImpl* a = t.unsafeGetTensorImpl();
+  const c10::TensorImpl* b = w.unsafeGetTensorImpl();
+  if (a->numel() != b->numel()) return false;
+  if (a->numel() <= 1) return true;
+  const c10::IntArrayRef as = a->sizes(), bs = b->sizes(), ast = a->strides(), bst = b->strides();
+  if (as.size() != bs.size()) return false;
+  for (size_t d = 0; d < as.size(); ++d) {
+    if (as[d] != bs[d] || (as[d] != 1 && ast[d] != bst[d])) return false;
+  }
+  return true;
+}
+
 // Checks one tensor list of a bucket and returns its dtype: n CPU tensors of one dtype, each
-// non-overlapping and dense with the numel and strides of the matching weight (so all can be
-// walked as flat arrays of numel() elements from data_ptr()).
+// non-overlapping and dense with the layout of the matching weight (same_layout).
 at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char* name) {
   TORCH_CHECK(ts.size() == weights.size(), "fusedopt cpp backend: ", weights.size(),
               " weights but ", ts.size(), " ", name);
@@ -85,7 +101,7 @@ at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char*
                 " and ", t.scalar_type());
     TORCH_CHECK(t.is_non_overlapping_and_dense(), "fusedopt cpp backend: ", name, "[", i,
                 "] is not dense (strides ", t.strides(), ")");
-    TORCH_CHECK(t.numel() == weights[i].numel() && t.strides() == weights[i].strides(),
+    TORCH_CHECK(same_layout(t, weights[i]),
                 "fusedopt cpp backend: ", name, "[", i, "] has shape ", t.sizes(), " and strides ",
                 t.strides(), " but its weight ", weights[i].sizes(), " and ", weights[i].strides());
   }
@@ -821,28 +837,29 @@ bool BucketLists::grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_d
   if (w.scalar_type() != weight_dtype_ ||
       (!params_.empty() && params_[i].scalar_type() != param_dtype_) || !g.defined() ||
       g.layout() != at::kStrided || g.scalar_type() != grad_dtype || !g.device().is_cpu() ||
-      g.numel() != w.numel() || !g.is_non_overlapping_and_dense()) {
+      !g.is_non_overlapping_and_dense()) {
     return false;
   }
-  const c10::IntArrayRef gs = g.unsafeGetTensorImpl()->strides();
-  const c10::IntArrayRef ws = w.unsafeGetTensorImpl()->strides();
-  return std::equal(gs.begin(), gs.end(), ws.begin(), ws.end());
+  return same_layout(g, w);
 }
 
 bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
+  checked_by_accepts_ = false;
   if (grads.size() != weights_.size()) return false;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grad_fits(grads[i], i, grad_dtype)) return false;
   }
-  return true;
+  checked_by_accepts_ = static_lists_unchanged();
+  return checked_by_accepts_;
 }
 
 template <typename Run>
 at::Tensor BucketLists::pass1(const std::vector<at::Tensor>& grads,
                               const std::optional<at::Tensor>& found_inf, const Run& run) {
   checked_by_pass1_ = false;
-  const CheckedLists& d = checked(/*reuse=*/false);
+  const CheckedLists& d = checked(/*reuse=*/checked_by_accepts_);
+  checked_by_accepts_ = false;
   const at::ScalarType g_dtype = check_list(grads, weights_, "grads");
   at::Tensor sums;
   if (d.size() == 0 || step_skipped(found_inf)) {

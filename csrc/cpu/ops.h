@@ -122,9 +122,11 @@ class BucketLists {
   ~BucketLists();
 
   // Whether a step with these grads can reuse the lists: the grads have dtype grad_dtype and the
-  // layout (numel, dense strides) of their weights, and the weights and params still have the
-  // dtype they had when the lists were made (`model.half()` changes a param's dtype in place). One
-  // C++ loop instead of a Python pass per property over thousands of tensors.
+  // layout (numel, dense strides) of their weights, and no tensor of the static lists changed
+  // (Note [checked lists]: `p.data = ...` with another shape, `model.half()`). False sends the
+  // step down the Python path, which checks every group before any tensor is written and names
+  // what is wrong; a pass that found a changed list could only raise after earlier groups
+  // stepped. One C++ loop instead of a Python pass per property over thousands of tensors.
   bool accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const;
 
   // The operators of the same names with the static lists filled in; grads are this step's.
@@ -173,6 +175,8 @@ class BucketLists {
   std::unique_ptr<CheckedLists> checked_;
   std::unique_ptr<Fingerprints> fingerprints_;
   bool checked_by_pass1_ = false;  // pass 2 of this step reuses checked_ unchanged
+  // accepts() found the static lists unchanged: the next pass 1 need not look again
+  mutable bool checked_by_accepts_ = false;
 };
 
 }  // namespace cpu

@@ -67,14 +67,18 @@ class Backend:
 
     def accepts_grads(self, b: Bucket, grad_dtype: torch.dtype) -> bool:
         """Whether ``b``, kept from an earlier step with its lists unchanged, can take its new
-        ``grads``: strided, contiguous, of ``grad_dtype`` and the bucket's device, one per param and of
-        its shape. False sends the step down the path that checks everything and says what is
-        wrong."""
+        ``grads``: strided, contiguous, of ``grad_dtype`` and the bucket's device, one per param and
+        of its shape; and whether its params still have one dtype and the shapes of their state
+        (``p.data`` may have been replaced). False sends the step down the path that checks
+        everything and says what is wrong."""
         ps, gs = b.params, b.grads
+        shapes = list(map(_SHAPE, ps))
+        states = [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers, b.masters) if xs]
         return (len(gs) == len(ps) and set(map(_DTYPE, gs)) == {grad_dtype}
                 and set(map(_LAYOUT, gs)) == {torch.strided} and all(map(_CONTIGUOUS, gs))
-                and set(map(_DEVICE, gs)) == {b.device}
-                and all(map(eq, map(_SHAPE, gs), map(_SHAPE, ps))))
+                and set(map(_DEVICE, gs)) == {b.device} and list(map(_SHAPE, gs)) == shapes
+                and set(map(_DTYPE, ps)) == {b.param_dtype}
+                and all(list(map(_SHAPE, xs)) == shapes for xs in states))
 
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf) -> torch.Tensor:
         raise NotImplementedError

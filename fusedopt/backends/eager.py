@@ -44,10 +44,37 @@ def lars_trust_ratio(w_sq: torch.Tensor, g_sq: torch.Tensor, h: LarsHyper) -> to
     return ratio
 
 
+# Note [chunked norms]: torch._foreach_norm accumulates a tensor in float32 in one sequence on the
+# CPU and loses ~1e-3 of Σx² at 16M elements. Norms of views of at most _NORM_CHUNK elements, whose
+# squares are summed in float64, stay within ~1e-7 (the cpp backend's accuracy), at the cost of a
+# few small tensors per large one and no copy of any (docs/performance.md).
+_NORM_CHUNK = 1 << 14
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """All elements of ``t`` as a 1-d tensor: a view when ``t`` is dense (any strides)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if t.is_non_overlapping_and_dense():
+        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+        return t.permute(order).view(-1)
+    return t.reshape(-1)
+
+
 def _sq(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Per-tensor Σx² as ``dtype``, ``[n]`` (Note [chunked norms])."""
     if not tensors:
         return torch.zeros(0, dtype=dtype)
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype)).square()
+    if all(t.numel() <= _NORM_CHUNK for t in tensors):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype)).square()
+    parts, owner = [], []
+    for i, t in enumerate(tensors):
+        chunks = _flat(t).split(_NORM_CHUNK) if t.numel() > _NORM_CHUNK else (t,)
+        parts.extend(chunks)
+        owner.extend([i] * len(chunks))
+    sq = torch.stack(torch._foreach_norm(parts, 2, dtype)).to(torch.float64).square()
+    out = torch.zeros(len(tensors), dtype=torch.float64, device=sq.device)
+    return out.index_add_(0, torch.tensor(owner, device=sq.device), sq).to(dtype)
 
 
 def _new_steps(b: Bucket, found_inf) -> torch.Tensor:
@@ -126,7 +153,8 @@ class EagerBackend(Backend):
         phi = lamb_trust_ratio(sums[:, 0], sums[:, 1], h)
         w = s["w"]
         if h.decoupled and h.weight_decay != 0:
-            w = torch._foreach_mul(w, 1.0 - h.lr * h.weight_decay)
+            lr = h.lr.to(b.compute_dtype) if isinstance(h.lr, torch.Tensor) else h.lr
+            w = torch._foreach_mul(w, 1.0 - lr * h.weight_decay)
         step = torch._foreach_mul(s["u"], _per_tensor(-h.lr * phi))
         w_new = torch._foreach_add(w, step)
         _commit(b.exp_avgs, s["m"], found_inf)

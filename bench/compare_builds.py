@@ -1,0 +1,111 @@
+"""Step time of two source trees of fusedopt, in alternating processes (docs/performance.md).
+
+    python bench/compare_builds.py OLD_TREE NEW_TREE [--rounds 5] [--steps 30]
+
+Each tree must hold a built extension (``python setup.py build_ext --inplace`` in it). Every round
+runs one process per tree, in turn, so that a machine whose speed drifts slows both alike; each
+process times ``--steps`` steps of each case after warm-up and prints its median. The table gives
+each case's median over the rounds and the ratio NEW / OLD with the range of the per-round ratios.
+With ``--compiled`` the NEW tree also times ``torch.compile``d steps against its own uncompiled
+ones in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CASES = {
+    "bert-base LAMB": ("lamb", "bert", False),
+    "bert-base LARS": ("lars", "bert", False),
+    "4000 x 2,500 LAMB": ("lamb", "small", False),
+    "4000 x 2,500 LAMB, flattened": ("lamb", "small", True),
+}
+
+CHILD = r'''
+import json, statistics, sys, time
+import torch
+import fusedopt
+from fusedopt.bench import bert_base_shapes
+torch.manual_seed(0)
+cases, steps, compiled = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+out = {"file": fusedopt.__file__}
+
+
+def timed(fn, n):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+for name, (kind, shapes, flat) in cases.items():
+    shapes = bert_base_shapes() if shapes == "bert" else [(2500,)] * 4000
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    if flat:
+        fusedopt.flatten_parameters(params)  # grads copied into slices of a grad buffer
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opt = cls(params, lr=1e-3 if kind == "lamb" else 0.1, weight_decay=0.01, max_grad_norm=1.0,
+              backend="cpp")
+    for _ in range(3):
+        opt.step()
+    out[name] = timed(opt.step, steps)
+    if compiled:
+        step = torch.compile(opt.step)
+        for _ in range(3):
+            step()
+        out[name + " (compiled)"] = timed(step, steps)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def run(tree: str, cases: dict, steps: int, compiled: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree)
+    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), str(steps),
+                          "1" if compiled else "0"], env=env, capture_output=True, text=True,
+                         check=True, cwd=tree)
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT "):])
+    if not out.pop("file").startswith(os.path.abspath(tree)):
+        raise SystemExit(f"{tree}: the child imported fusedopt from elsewhere")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--compiled", action="store_true")
+    args = ap.parse_args()
+    old, new = [], []
+    for r in range(args.rounds):
+        old.append(run(args.old, CASES, args.steps, False))
+        new.append(run(args.new, CASES, args.steps, args.compiled))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    print(f"| case | old ms/step | new ms/step | new / old (range over rounds) |")
+    print("|---|---|---|---|")
+    for name in CASES:
+        o = statistics.median(x[name] for x in old)
+        n = statistics.median(x[name] for x in new)
+        ratios = [b[name] / a[name] for a, b in zip(old, new)]
+        print(f"| {name} | {o:.2f} | {n:.2f} | {n / o:.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |")
+    if args.compiled:
+        print("\n| case (new tree) | uncompiled ms/step | compiled ms/step | compiled / uncompiled |")
+        print("|---|---|---|---|")
+        for name in CASES:
+            u = statistics.median(x[name] for x in new)
+            c = statistics.median(x[name + " (compiled)"] for x in new)
+            print(f"| {name} | {u:.2f} | {c:.2f} | {c / u:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
