@@ -5,7 +5,8 @@
 
 ``python -m fusedopt.bench`` times whole ``step()`` calls of every optimizer; this script times the
 cpp backend's ``step()`` beside its parts: the two kernel passes alone (the backend calls on a
-prebuilt bucket) and the Python gathering of ``step()`` (``_build_plan``), so that the per-tensor
+prebuilt bucket) and the Python gathering of ``step()`` (each group's lists from the list cache,
+with this step's grads), so that the per-tensor
 overhead can be read off; with torch's fused AdamW, timm's ``Lamb`` (when timm is installed) and
 the bandwidth yardstick in the same rounds (``fusedopt.bench.interleave``).
 """
@@ -18,15 +19,29 @@ import torch
 
 import fusedopt
 from fusedopt.backends import get_backend
+from fusedopt.functional import _buckets
 from fusedopt.bench import (BYTES_PER_ELEMENT, YARDSTICK, Result, bert_base_shapes, interleave,
                             joint_rounds, make_params, print_table, ratios, timm_optimizers)
 
 SETS = {"bert": ("bert-base", bert_base_shapes()), "small": ("4000 x 2,500", [(2500,)] * 4000)}
 
 
+def _gathering(opt):
+    """step()'s gathering alone: each group's lists from the list cache (Note [list cache] in
+    fusedopt/optim.py) with this step's grads, and the check that its kept bucket takes them."""
+    def run():
+        for gi, group in enumerate(opt.param_groups):
+            opt._group(gi, group).grads = []
+    return run
+
+
 def _passes(opt, kind):
-    """The backend's two passes on the optimizer's (prebuilt) buckets, without step()'s gathering."""
-    plan = opt._build_plan()
+    """The backend's two passes on the optimizer's kept buckets, without step()'s gathering."""
+    opt.step()  # creates the state and the kept buckets
+    plan = []
+    for gi, group in enumerate(opt.param_groups):
+        g = opt._group(gi, group)
+        plan.append((g.hyper, _buckets(kind, gi, g)))
 
     def run():
         for h, entries in plan:
@@ -48,7 +63,7 @@ def bench_set(label, shapes, rounds, eager):
         YARDSTICK: (12, lambda: a.add_(c, alpha=1e-3)),
         "fusedopt LAMB [cpp]": (BYTES_PER_ELEMENT["lamb"], lamb.step),
         "cpp LAMB passes only": (BYTES_PER_ELEMENT["lamb"], _passes(lamb, "lamb")),
-        "LAMB step's _build_plan": (0, lamb._build_plan),
+        "LAMB step's gathering": (0, _gathering(lamb)),
         "fusedopt LARS [cpp]": (BYTES_PER_ELEMENT["lars"], lars.step),
         "cpp LARS passes only": (BYTES_PER_ELEMENT["lars"], _passes(lars, "lars")),
         "torch AdamW(fused=True)": (BYTES_PER_ELEMENT["adamw"], torch.optim.AdamW(params, fused=True).step),

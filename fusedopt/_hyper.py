@@ -1,7 +1,8 @@
 """Hyper-parameters: defaults (written once), validation, and the host-side scalars of a step.
 
 Every backend receives the frozen :class:`LambHyper` / :class:`LarsHyper` built here, so the values
-derived on the host (``beta3``, the bound switches, ...) are computed in exactly one place.
+derived on the host (``beta3``, ``1 - beta2``, λ inside u, ``1 - dampening``, the bound switches)
+are computed in exactly one place.
 Per-tensor values that depend on the step count (the bias corrections ``1 - beta^t``) are computed
 by the backends from the step tensors, with the formula of :func:`bias_correction`.
 """
@@ -191,6 +192,16 @@ class LambHyper:
     ratio_lo: float
     ratio_hi: float
     max_grad_norm: float | None
+    one_minus_beta2: float
+    lambda_in_u: float  # λ inside u; 0 with decoupled weight decay
+    decoupled_lambda: float  # λ of the factor 1 - lr·λ on w; 0 unless decoupled
+
+    def decay_factor(self, dtype: torch.dtype) -> float | torch.Tensor:
+        """``1 - lr·λ`` for decoupled weight decay (1 otherwise), in ``dtype`` when ``lr`` is a
+        tensor (the C++ and CUDA kernels form it in double beside the kernel: math.h
+        lamb_decay, as lr may live on the device)."""
+        lr = self.lr.to(dtype) if isinstance(self.lr, torch.Tensor) else self.lr
+        return 1.0 - lr * self.decoupled_lambda
 
 
 @dataclass(frozen=True)
@@ -209,6 +220,7 @@ class LarsHyper:
     lr_in_momentum: bool
     adapt: bool
     max_grad_norm: float | None
+    one_minus_dampening: float
 
 
 def _lr(lr: float | torch.Tensor) -> float | torch.Tensor:
@@ -235,6 +247,9 @@ def lamb_hyper(g: dict[str, Any]) -> LambHyper:
         ratio_lo=float(bounds[0]) if bounds is not None else 0.0,
         ratio_hi=float(bounds[1]) if bounds is not None else math.inf,
         max_grad_norm=None if g["max_grad_norm"] is None else float(g["max_grad_norm"]),
+        one_minus_beta2=1.0 - beta2,
+        lambda_in_u=0.0 if g["decoupled_weight_decay"] else float(g["weight_decay"]),
+        decoupled_lambda=float(g["weight_decay"]) if g["decoupled_weight_decay"] else 0.0,
     )
 
 
@@ -252,4 +267,5 @@ def lars_hyper(g: dict[str, Any]) -> LarsHyper:
         lr_in_momentum=bool(g["lr_in_momentum"]),
         adapt=bool(g["adapt"]),
         max_grad_norm=None if g["max_grad_norm"] is None else float(g["max_grad_norm"]),
+        one_minus_dampening=1.0 - float(g["dampening"]),
     )

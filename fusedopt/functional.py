@@ -170,9 +170,11 @@ def _buckets(kind: str, gi: int, g: TensorGroup) -> list[tuple[_backends.Backend
         cache.pop("buckets", None)
         if len(out) == 1 and not out[0][1].writeback:
             be, b = out[0]
+            # a new bucket: no handle of an old one; the kept copy shares the dict, so that the
+            # next steps reuse what the backend keeps there
+            b.handles = {}
             cache["buckets"] = (g.params, g.backend, (be, dataclasses.replace(b, grads=[]),
                                                       b.param_dtype, b.grad_dtype))
-            b.handles = cache["handles"] = {}  # a new bucket: no handle of an old one
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 from operator import is_
 from typing import Any, Callable
 
@@ -315,7 +315,9 @@ class _TrustRatioOptimizer(Optimizer):
         self._checked_options(gi, group)
         all_ps = group["params"]
         grads = [p.grad for p in all_ps]
-        with_grad = tuple(g is not None for g in grads) if None in grads else None
+        # not `None in grads`: that calls Tensor.__eq__(None) on every grad, a torch dispatch each
+        with_grad = (tuple(g is not None for g in grads)
+                     if any(map(is_, grads, repeat(None))) else None)
         options = (group["backend"], group["master_weights"])
         hit = self._lists.get(gi)
         if (hit is not None and hit.edits == self.state.edits and hit.params is all_ps

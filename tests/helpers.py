@@ -1,7 +1,11 @@
 """Shared test harness: run a backend for several steps and compare with the float64 reference."""
 from __future__ import annotations
 
-import math
+import importlib
+import importlib.util
+import os
+import sys
+import types
 
 import torch
 
@@ -124,7 +128,7 @@ def tols(dtype):
 
 
 __all__ = ["SHAPES_SMALL", "SHAPES_ZOO", "LAMB_CASES", "LARS_CASES", "run_backend", "max_rel_err",
-           "assert_within_rounding", "tols", "make_tensors", "math"]
+           "assert_within_rounding", "tols", "make_tensors"]
 
 
 def backend_params(names=("eager", "cpp", "triton")):
@@ -191,3 +195,41 @@ def assert_nan_rule(runs):
     for case, (params, ref_second) in runs.items():
         assert torch.isnan(params[0]).all(), f"{case}: a NaN trust ratio must reach every element"
         assert max_rel_err([params[1]], [ref_second]) <= tols(torch.float32), case
+
+
+def timm_optimizers():
+    """timm's ``(Lamb, Lars)`` classes, or None when timm is not installed.
+
+    ``import timm`` imports its model zoo, which needs torchvision; torchvision does not import
+    beside every torch build (not beside the CPU wheel our machines use). The two optimizer
+    modules need only torch, so when the normal import fails they are loaded from timm's own files
+    with ``timm`` and ``timm.optim`` registered as bare packages (their ``__init__`` not run).
+    The benchmark (fusedopt/bench.py) has its own copy: tests import no helper from the library.
+    """
+    before = set(sys.modules)
+
+    def forget_new_timm_modules():
+        for name in [m for m in sys.modules if m.split(".")[0] == "timm" and m not in before]:
+            del sys.modules[name]
+
+    try:
+        from timm.optim import Lamb, Lars
+        return Lamb, Lars
+    except ImportError:
+        forget_new_timm_modules()  # what the failed import left half-initialised
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        root = list(spec.submodule_search_locations)[0]
+        for name, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [path]
+            sys.modules[name] = pkg
+        lamb = importlib.import_module("timm.optim.lamb").Lamb
+        lars = importlib.import_module("timm.optim.lars").Lars
+    except ImportError:
+        return None
+    finally:  # the bare packages are not left behind for others to import
+        forget_new_timm_modules()
+    return lamb, lars

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import fusedopt
 from fusedopt.reference import LAMB_SPEC, LARS_SPEC, ReferenceLAMB, ReferenceLARS
+from helpers import backend_params
 
 BACKENDS = ("eager", "cpp")
 ERRORS = (ValueError, RuntimeError, TypeError)
@@ -734,18 +735,19 @@ def test_edit(kind, name, data):
     _check(cfg, name)
 
 
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_four_threads_one_cpp_optimizer(kind):
-    """4 threads call step() of one cpp optimizer: each call succeeds or raises a RuntimeError
-    naming the other thread; afterwards every step count equals the number of successes and the
-    params equal a sequential run of that many steps."""
+def test_four_threads_one_optimizer(kind, backend):
+    """4 threads call step() of one optimizer: each call succeeds or raises a RuntimeError naming
+    the other thread (no crash, no half step); afterwards every step count equals the number of
+    successes and the params equal a sequential run of that many steps."""
     def build():
         gen = torch.Generator().manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (20000, 7, 0, 3000, 1)]
         for p in ps:
             p.grad = torch.randn(p.shape, generator=gen)
         cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
-        return ps, cls([{"params": ps[:2]}, {"params": ps[2:]}], lr=0.01, backend="cpp")
+        return ps, cls([{"params": ps[:2]}, {"params": ps[2:]}], lr=0.01, backend=backend)
 
     ps, opt = build()
     barrier = threading.Barrier(4)

@@ -160,13 +160,16 @@ def test_grad_scale_is_undone_inside_the_step(backend, kind):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_tensor_lr_equals_float_lr(backend, kind):
+    """A float64 tensor lr gives the float lr's result bit for bit; a float32 one, holding the lr
+    rounded to float32, within that rounding."""
     out = []
-    for lr in (0.05, torch.tensor(0.05)):
+    for lr in (0.05, torch.tensor(0.05, dtype=torch.float64), torch.tensor(0.05)):
         params, _, opt = run_backend(kind, backend, SHAPES_SMALL, CASES[kind]["default"] if kind == "lars"
                                      else {"decoupled_weight_decay": True}, steps=3, lr=lr)
-        out.append(params)
-    for a, b in zip(*out):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=0)
+        out.append([p.detach() for p in params])
+    for a, b64, b32 in zip(*out):
+        assert torch.equal(a, b64)
+        torch.testing.assert_close(a, b32, rtol=1e-6, atol=0)
 
 
 @contextlib.contextmanager

@@ -10,10 +10,25 @@ import fusedopt
 from fusedopt import backends
 
 
-def test_auto_on_cpu_prefers_cpp_then_eager():
-    be = backends.resolve("auto", torch.device("cpu"), torch.float32, torch.float32)
-    expected = "cpp" if "cpp" in fusedopt.available_backends() else "eager"
-    assert be.name == expected
+def test_auto_picks_cpp_on_cpu():
+    if backends.get_backend("cpp") is None:
+        pytest.skip(f"the C++ extension is not built: {backends.load_error('cpp')}")
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for grad_dtype in (dtype, torch.bfloat16):
+            be = backends.resolve("auto", torch.device("cpu"), dtype, grad_dtype)
+            assert be.name == "cpp", (dtype, grad_dtype)
+    cpp = backends.get_backend("cpp")
+    assert "CPU tensors only" in cpp.unavailable_reason(torch.device("cuda"), torch.float32,
+                                                       torch.float32)
+    assert "int8" in cpp.unavailable_reason(torch.device("cpu"), torch.float32, torch.int8)
+
+
+def test_auto_on_cpu_falls_back_to_eager_without_the_cpp_extension(monkeypatch):
+    monkeypatch.delitem(backends._instances, "cpp", raising=False)
+    monkeypatch.setitem(backends._load_errors, "cpp", "ImportError: simulated missing extension")
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        assert backends.resolve("auto", torch.device("cpu"), dtype, dtype).name == "eager"
+    assert "cpp" not in fusedopt.available_backends()
 
 
 @pytest.mark.skipif(os.environ.get("FUSEDOPT_ALLOW_NO_CPP") == "1",

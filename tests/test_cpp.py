@@ -1,5 +1,7 @@
 """The C++ CPU backend (backend="cpp"): against the float64 reference, against eager, and against
-itself (thread counts, checkpoints); its torch.ops.fusedopt.* operators and their fake kernels."""
+itself (thread counts, ISA clones); its torch.ops.fusedopt.* operators and their fake kernels.
+State-dict round trips, tensor lr and allocations inside step() are tested for every backend
+(tests/test_optimizer_api.py, tests/test_amp.py, tests/test_memory.py)."""
 import copy
 import hashlib
 import os
@@ -61,9 +63,35 @@ def _handle(opt, gi):
     """The C++ BucketLists the cpp backend keeps for param group ``gi`` in the list cache (Note
     [list cache] in fusedopt/optim.py), or None."""
     entry = opt._lists.get(gi)
-    if entry is None or entry.group.cache is None:
+    kept = None if entry is None or entry.group.cache is None else entry.group.cache.get("buckets")
+    if kept is None:
         return None
-    return entry.group.cache.get("handles", {}).get("cpp")
+    _, _, (_, bucket, _, _) = kept
+    return bucket.handles.get("cpp")
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_steady_steps_go_through_the_bucket_lists(kind, monkeypatch):
+    """After the first step, a step whose lists did not change calls the kept BucketLists (Note
+    [static lists]), not the torch.ops operators, which convert every list on every call."""
+    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+    opt = _opt(kind, params, max_grad_norm=1.0)
+    _set_grads(params, 0)
+    opt.step()
+    calls = []
+    ops = CPP._ops
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(CPP, "_ops", Counting())
+    for step in range(1, 3):
+        _set_grads(params, step)
+        opt.step()
+    assert _handle(opt, 0) is not None
+    assert not [c for c in calls if "pass" in c], f"steady steps called the operators {calls}"
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
@@ -122,14 +150,6 @@ def test_sq_norms():
     torch.testing.assert_close(CPP.sq_norms(ts), expected, rtol=1e-13, atol=0)
 
 
-def test_auto_picks_cpp_on_cpu():
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        assert backends.resolve("auto", torch.device("cpu"), dtype, torch.bfloat16) is CPP
-    assert "CPU tensors only" in CPP.unavailable_reason(torch.device("cuda"), torch.float32,
-                                                       torch.float32)
-    assert "int8" in CPP.unavailable_reason(torch.device("cpu"), torch.float32, torch.int8)
-
-
 def test_missing_extension_raises_with_guidance(monkeypatch):
     from fusedopt.backends import cpp
 
@@ -177,19 +197,6 @@ def test_found_inf_changes_nothing(kind, dtype):
     opt.found_inf = torch.tensor(0.0)
     opt.step()
     assert all(opt.state[p]["step"].item() == 2 for p in params)
-
-
-def test_tensor_lr_equals_float_lr():
-    for kind in ("lamb", "lars"):
-        runs = []
-        for lr in (0.01, torch.tensor(0.01, dtype=torch.float64)):
-            ps = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
-            opt = _opt(kind, ps, lr=lr)
-            for step in range(3):
-                _set_grads(ps, step)
-                opt.step()
-            runs.append(_snapshot(ps, opt))
-        _assert_bitwise(*runs)
 
 
 # ------------------------------------------------------------------------------ determinism
@@ -256,27 +263,6 @@ def test_isa_clones_are_bit_identical():
         pytest.skip("this CPU has no AVX2: only the baseline clone runs")
     assert runs["best"][0] == _C.cpu_isa()
     assert len({digest for _, digest in runs.values()}) == 1, runs
-
-
-@pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_state_dict_round_trip_continues_bit_for_bit(kind):
-    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.bfloat16, 0)]
-    opt = _opt(kind, params)
-    for step in range(2):
-        _set_grads(params, step)
-        opt.step()
-    saved_params = [p.detach().clone() for p in params]
-    saved = copy.deepcopy(opt.state_dict())
-    for step in range(2, 4):
-        _set_grads(params, step)
-        opt.step()
-    resumed = [torch.nn.Parameter(p) for p in saved_params]
-    opt2 = _opt(kind, resumed)
-    opt2.load_state_dict(saved)
-    for step in range(2, 4):
-        _set_grads(resumed, step)
-        opt2.step()
-    _assert_bitwise(_snapshot(params, opt), _snapshot(resumed, opt2))
 
 
 # ------------------------------------------------------------------------------ static lists
@@ -377,16 +363,18 @@ EXTRA = pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_static_lists_follow_tensors_changed_in_place(kind, extra, monkeypatch):
     """Note [checked lists] in ops.cpp: BucketLists keeps its static lists' data pointers between
-    steps; when a tensor's data moves while the objects stay (so the Python list cache still holds:
-    no edit of opt.state) it sees the change and steps the new data, as the operators do."""
+    steps; when a tensor's data moves while the objects stay (so the state mapping saw no edit),
+    BucketLists.accepts sees the change, the step gathers its lists again (checking them all) and
+    steps the new data, as the operators do."""
     def change(params, opt):
         handle = _handle(opt, 0)
         edits = opt.state.edits
         _change_in_place(params, opt)
         assert opt.state.edits == edits
 
-        def check():  # the same lists went on
-            assert _handle(opt, 0) is handle
+        def check():  # lists gathered again, with a new BucketLists (none on the operators' run)
+            if handle is not None:
+                assert _handle(opt, 0) is not None and _handle(opt, 0) is not handle
         return check
     _both_ways_with_a_change(kind, extra, monkeypatch, change)
 
@@ -495,14 +483,15 @@ def _op_args(kind, n=3, masters=False):
     if kind == "lamb":
         hyper = _hyper_list("lamb", dict(
             lr=0.1, beta1=0.9, beta2=0.999, beta3=0.1, eps=1e-6, weight_decay=0.01, ratio_lo=0.0,
-            ratio_hi=float("inf"), bias_correction=1, adapt=1, decoupled=0, bounded=0))
+            ratio_hi=float("inf"), one_minus_beta2=0.001, lambda_in_u=0.01, bias_correction=1,
+            adapt=1, decoupled=0, bounded=0))
         m = [torch.zeros(s) for s in shapes]
         v = [torch.zeros(s) for s in shapes]
         return [(ops.lamb_pass1.default, (weights, grads, m, v, steps, hyper, gm, fi)),
                 (ops.lamb_pass2.default, (weights, lowp, m, v, steps, sums, hyper, lr, fi))]
     hyper = _hyper_list("lars", dict(
         lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-4, trust_coefficient=1e-3, eps=1e-8,
-        nesterov=0, trust_clip=0, combined=0, lr_in_momentum=1, adapt=1))
+        one_minus_dampening=1.0, nesterov=0, trust_clip=0, combined=0, lr_in_momentum=1, adapt=1))
     buf = [torch.zeros(s) for s in shapes]
     return [(ops.lars_pass1.default, (weights, grads, steps, hyper, gm, fi)),
             (ops.lars_pass2.default, (weights, lowp, grads, buf, steps, sums, hyper, lr, gm, fi))]
@@ -538,24 +527,6 @@ def test_fake_tensor_mode():
             assert op2(*[fake(mode, a) for a in args2]) is None
         out = torch.ops.fusedopt.sq_norms([torch.empty(4, dtype=torch.float64), torch.empty(2, 3)])
         assert out.shape == (2,) and out.dtype == torch.float64
-
-
-# --------------------------------------------------------------------------------- memory
-
-@pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_step_allocates_no_parameter_sized_memory(kind):
-    """Only O(n_tensors) tables are allocated inside step(), never a parameter-sized temporary."""
-    params = [torch.nn.Parameter(torch.randn(1_000_000)), torch.nn.Parameter(torch.randn(7, 3))]
-    opt = _opt(kind, params, max_grad_norm=1.0)
-    _set_grads(params, 0)
-    opt.step()  # creates the state
-    _set_grads(params, 1)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        opt.step()
-    allocs = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
-    assert allocs, "the profiler recorded no allocation at all (the check would be vacuous)"
-    assert max(allocs) < 4096, f"allocations during step(): {sorted(allocs)[-5:]} bytes"
 
 
 # ------------------------------------------------------------------ the C++ side's Python API

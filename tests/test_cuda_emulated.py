@@ -122,13 +122,14 @@ class BucketPtrs(ctypes.Structure):
 
 class LambHyperC(ctypes.Structure):
     _fields_ = [(n, ctypes.c_double) for n in ("lr", "beta1", "beta2", "beta3", "eps",
-                                               "weight_decay", "ratio_lo", "ratio_hi")] + \
+                                               "weight_decay", "ratio_lo", "ratio_hi",
+                                               "one_minus_beta2", "lambda_in_u")] + \
                [(n, ctypes.c_bool) for n in ("bias_correction", "adapt", "decoupled", "bounded")]
 
 
 class LarsHyperC(ctypes.Structure):
     _fields_ = [(n, ctypes.c_double) for n in ("lr", "momentum", "dampening", "weight_decay",
-                                               "trust_coefficient", "eps")] + \
+                                               "trust_coefficient", "eps", "one_minus_dampening")] + \
                [(n, ctypes.c_bool) for n in ("nesterov", "trust_clip", "combined",
                                              "lr_in_momentum", "adapt")]
 

@@ -348,39 +348,7 @@ def test_none_state_tensor_and_complex_grad_are_named(kind, backend):
 
 
 # ---------------------------------------------------------------------- threads
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_concurrent_steps_on_one_optimizer_never_corrupt(backend):
-    """Several threads calling step() on one optimizer: each call steps or raises the clear
-    refusal, and the step counts equal the successful calls (no crash, no half step)."""
-    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(50)]
-    for p in params:
-        p.grad = torch.randn(64)
-    opt = fusedopt.FusedLARS(params, lr=0.01, backend=backend)
-    done, refused, errors = [0], [0], []
-    lock = threading.Lock()
-
-    def work():
-        for _ in range(200):
-            try:
-                opt.step()
-                with lock:
-                    done[0] += 1
-            except RuntimeError as e:
-                if "another thread" not in str(e):
-                    errors.append(e)
-                with lock:
-                    refused[0] += 1
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[:3]
-    assert done[0] + refused[0] == 800
-    assert all(opt.state[p]["step"].item() == done[0] for p in params)
-
-
+# (several threads on one optimizer: tests/test_adversarial.py, test_four_threads_one_optimizer)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_separate_optimizers_in_threads_match_sequential(backend):
     def run(threaded):

@@ -105,10 +105,6 @@ def test_repr_shows_hyper_parameters():
     assert "lr: 0.25" in r and "betas: (0.8, 0.95)" in r and "trust_ratio_bounds" in r
 
 
-def test_available_backends_lists_eager():
-    assert "eager" in fusedopt.available_backends()
-
-
 # ------------------------------------------------------------------------- torch behaviour
 @pytest.mark.parametrize("kind", KINDS)
 def test_closure_is_evaluated_with_grad_and_loss_returned(kind):

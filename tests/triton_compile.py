@@ -65,7 +65,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = (80, 90)
-KERNEL_MODULES = ("fusedopt.kernels.lamb", "fusedopt.kernels.lars", "fusedopt.kernels.norms")
+KERNEL_MODULES = ("fusedopt.kernels.lamb", "fusedopt.kernels.lars", "fusedopt.kernels.common")
 
 
 def _compiling_environment() -> None:

@@ -9,6 +9,7 @@
 #include "ops.h"
 
 #include <c10/core/impl/COW.h>
+#include <fusedopt/checks.h>
 #include <fusedopt/math.h>
 
 #include <atomic>
@@ -69,60 +70,28 @@ void dispatch_param_out(bool has_params, at::ScalarType p_dtype, const F& f) {
 
 // ------------------------------------------------------------------------------ input checks
 
-// Whether dense t lays its elements out as dense w does, so that both walk as flat arrays of
-// numel() elements from data_ptr() in the same order: equal sizes, and equal strides on every
-// dimension of size > 1 (a size-1 dimension's stride is never used; a tensor of at most one
-// element has a single layout).
-bool same_layout(const at::Tensor& t, const at::Tensor& w) {
-  const c10::TensorImpl* a = t.unsafeGetTensorImpl();
-  const c10::TensorImpl* b = w.unsafeGetTensorImpl();
-  if (a->numel() != b->numel()) return false;
-  if (a->numel() <= 1) return true;
-  const c10::IntArrayRef as = a->sizes(), bs = b->sizes(), ast = a->strides(), bst = b->strides();
-  if (as.size() != bs.size()) return false;
-  for (size_t d = 0; d < as.size(); ++d) {
-    if (as[d] != bs[d] || (as[d] != 1 && ast[d] != bst[d])) return false;
-  }
-  return true;
-}
+// The device policy of the shared checks of fusedopt/checks.h: CPU tensors.
+struct OnCpu {
+  static constexpr const char* kWho = "fusedopt cpp backend: ";
+  static constexpr bool kEmptyListOk = true;
+  static bool on_device(const at::Tensor& t, const at::Tensor&) { return t.device().is_cpu(); }
+  static const char* elsewhere(const at::Tensor&) { return "; it runs on CPU tensors only"; }
+  static const char* step_form(const at::Tensor&) { return "0-dim float32 CPU tensors"; }
+};
 
-// Checks one tensor list of a bucket and returns its dtype: n CPU tensors of one dtype, each
-// non-overlapping and dense with the layout of the matching weight (same_layout).
+using checks::same_layout;
+
 at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char* name) {
-  TORCH_CHECK(ts.size() == weights.size(), "fusedopt cpp backend: ", weights.size(),
-              " weights but ", ts.size(), " ", name);
-  if (ts.empty()) return at::kFloat;
-  const at::ScalarType dtype = ts[0].scalar_type();
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const at::Tensor& t = ts[i];
-    TORCH_CHECK(t.device().is_cpu(), "fusedopt cpp backend: ", name, "[", i, "] is on ",
-                t.device(), "; it runs on CPU tensors only");
-    TORCH_CHECK(t.scalar_type() == dtype, "fusedopt cpp backend: ", name, " mix dtypes ", dtype,
-                " and ", t.scalar_type());
-    TORCH_CHECK(t.is_non_overlapping_and_dense(), "fusedopt cpp backend: ", name, "[", i,
-                "] is not dense (strides ", t.strides(), ")");
-    TORCH_CHECK(same_layout(t, weights[i]),
-                "fusedopt cpp backend: ", name, "[", i, "] has shape ", t.sizes(), " and strides ",
-                t.strides(), " but its weight ", weights[i].sizes(), " and ", weights[i].strides());
-  }
-  return dtype;
+  return checks::check_list<OnCpu>(ts, weights, name);
 }
 
 void check_state(at::TensorList ts, at::TensorList weights, at::ScalarType compute,
                  const char* name) {
-  const at::ScalarType dtype = check_list(ts, weights, name);
-  TORCH_CHECK(ts.empty() || dtype == compute, "fusedopt cpp backend: ", name, " must be ", compute,
-              " (the compute dtype), got ", dtype);
+  checks::check_state<OnCpu>(ts, weights, compute, name);
 }
 
-void check_steps(at::TensorList steps, size_t n) {
-  TORCH_CHECK(steps.size() == n, "fusedopt cpp backend: ", n, " weights but ", steps.size(),
-              " steps");
-  for (const at::Tensor& s : steps) {
-    TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.numel() == 1,
-                "fusedopt cpp backend: step counts must be 0-dim float32 CPU tensors, got ",
-                s.scalar_type(), " of shape ", s.sizes(), " on ", s.device());
-  }
+void check_steps(at::TensorList steps, at::TensorList weights) {
+  checks::check_steps<OnCpu>(steps, weights);
 }
 
 at::ScalarType compute_dtype(at::ScalarType weight_dtype) {
@@ -385,7 +354,7 @@ at::ScalarType check_static_lists(at::TensorList weights, at::TensorList params,
   const at::ScalarType w_dtype = check_list(weights, weights, "weights");
   if (!params.empty()) check_list(params, weights, "params");
   for (const StateList& s : state) check_state(s.tensors, weights, compute_dtype(w_dtype), s.name);
-  check_steps(steps, weights.size());
+  check_steps(steps, weights);
   return w_dtype;
 }
 
@@ -591,7 +560,7 @@ void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyp
       for (int64_t i = 0; i < n; ++i) {
         lr_phi[i] = static_cast<T>(h.lr) * lamb_trust_ratio<T>(s[2 * i], s[2 * i + 1], h);
       }
-      const T decay = h.decoupled ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
+      const T decay = lamb_decay<T>(h, h.lr);
       void* const* wp = d.weights.data();
       void* const* pp = d.params.empty() ? nullptr : d.params.data();
       void* const* mp = d.state_a.data();

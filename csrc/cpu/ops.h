@@ -24,11 +24,13 @@ namespace cpu {
 #define FUSEDOPT_LAMB_FIELDS(X)                                                              \
   X(Lr, lr) X(Beta1, beta1) X(Beta2, beta2) X(Beta3, beta3) X(Eps, eps)                      \
   X(WeightDecay, weight_decay) X(RatioLo, ratio_lo) X(RatioHi, ratio_hi)                     \
+  X(OneMinusBeta2, one_minus_beta2) X(LambdaInU, lambda_in_u)                                \
   X(BiasCorrection, bias_correction) X(Adapt, adapt) X(Decoupled, decoupled) X(Bounded, bounded)
 
 #define FUSEDOPT_LARS_FIELDS(X)                                                              \
   X(Lr, lr) X(Momentum, momentum) X(Dampening, dampening) X(WeightDecay, weight_decay)       \
-  X(TrustCoefficient, trust_coefficient) X(Eps, eps) X(Nesterov, nesterov)                   \
+  X(TrustCoefficient, trust_coefficient) X(Eps, eps) X(OneMinusDampening, one_minus_dampening) \
+  X(Nesterov, nesterov)                                                                      \
   X(TrustClip, trust_clip) X(Combined, combined) X(LrInMomentum, lr_in_momentum) X(Adapt, adapt)
 
 enum LambField {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../cpu/ops.h"
+#include "fusedopt/checks.h"
 #include "launch.h"
 
 namespace fusedopt {
@@ -38,46 +39,33 @@ at::ScalarType compute_dtype(at::ScalarType weight_dtype) {
   return weight_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// Checks one tensor list of a bucket and returns its dtype: n tensors of one dtype on the device
-// of the weights, each non-overlapping and dense with the numel and strides of its weight (so all
-// can be walked as flat arrays of numel() elements from data_ptr()).
-at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char* name) {
-  TORCH_CHECK(ts.size() == weights.size(), kWho, weights.size(), " weights but ", ts.size(), " ",
-              name);
-  TORCH_CHECK(!ts.empty(), kWho, "empty bucket (", name, ")");
-  const at::ScalarType dtype = ts[0].scalar_type();
-  const c10::Device device = weights[0].device();
-  for (size_t i = 0; i < ts.size(); ++i) {
-    const at::Tensor& t = ts[i];
-    TORCH_CHECK(t.device() == device && device.is_cuda(), kWho, name, "[", i, "] is on ",
-                t.device(), " but the bucket is on ", device, "; it runs on CUDA tensors only");
-    TORCH_CHECK(t.scalar_type() == dtype, kWho, name, " mix dtypes ", dtype, " and ",
-                t.scalar_type());
-    TORCH_CHECK(t.is_non_overlapping_and_dense(), kWho, name, "[", i, "] is not dense (strides ",
-                t.strides(), ")");
-    TORCH_CHECK(t.numel() == weights[i].numel() && t.strides() == weights[i].strides(), kWho,
-                name, "[", i, "] has shape ", t.sizes(), " and strides ", t.strides(),
-                " but its weight ", weights[i].sizes(), " and ", weights[i].strides());
+// The device policy of the shared checks of fusedopt/checks.h: CUDA tensors on the device of the
+// bucket's first weight.
+struct OnBucketDevice {
+  static constexpr const char* kWho = "fusedopt cuda backend: ";
+  static constexpr bool kEmptyListOk = false;
+  static bool on_device(const at::Tensor& t, const at::Tensor& w0) {
+    return t.device() == w0.device() && w0.device().is_cuda();
   }
-  return dtype;
+  static std::string elsewhere(const at::Tensor& w0) {
+    return c10::str(" but the bucket is on ", w0.device(), "; it runs on CUDA tensors only");
+  }
+  static std::string step_form(const at::Tensor& w0) {
+    return c10::str("one-element float32 tensors on ", w0.device());
+  }
+};
+
+at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char* name) {
+  return checks::check_list<OnBucketDevice>(ts, weights, name);
 }
 
 void check_state(at::TensorList ts, at::TensorList weights, at::ScalarType compute,
                  const char* name) {
-  const at::ScalarType dtype = check_list(ts, weights, name);
-  TORCH_CHECK(dtype == compute, kWho, name, " must be ", compute, " (the compute dtype), got ",
-              dtype);
+  checks::check_state<OnBucketDevice>(ts, weights, compute, name);
 }
 
 void check_steps(at::TensorList steps, at::TensorList weights) {
-  TORCH_CHECK(steps.size() == weights.size(), kWho, weights.size(), " weights but ",
-              steps.size(), " steps");
-  for (const at::Tensor& s : steps) {
-    TORCH_CHECK(s.device() == weights[0].device() && s.scalar_type() == at::kFloat &&
-                    s.numel() == 1,
-                kWho, "step counts must be one-element float32 tensors on ", weights[0].device(),
-                ", got ", s.scalar_type(), " of shape ", s.sizes(), " on ", s.device());
-  }
+  checks::check_steps<OnBucketDevice>(steps, weights);
 }
 
 // Device pointer of an optional one-element tensor on the bucket's device, read by the kernels.

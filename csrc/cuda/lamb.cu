@@ -5,10 +5,12 @@
 // Memory traffic per element is docs/math.md's 40 B for fp32: pass 1 reads w, g, m, v and writes m, v;
 // pass 2 reads w, m, v (recomputing u with the same call as pass 1) and writes w.
 //
-// Note [shared math]: every per-element and per-tensor formula below is a call into
-// fusedopt/math.h (lamb_coef, lamb_moments, lamb_direction, lamb_trust_ratio, lamb_apply), the
-// header the C++ CPU backend uses too and that its tests exercise on the host against the float64
-// reference. The functors here only load, call the math, accumulate and store.
+// Note [shared math]: every per-element and per-tensor formula of the CUDA passes is a call into
+// fusedopt/math.h (here lamb_coef, lamb_moments, lamb_direction, lamb_trust_ratio, lamb_decay,
+// lamb_apply; in lars.cu lars_trust_ratio, lars_coef, lars_apply), the header the C++ CPU backend
+// uses too and that its tests exercise on the host against the float64 reference. The functors
+// only load, call the math, accumulate and store (lars.cu's pass 1 also forms the vector whose
+// norm it needs). Their launchers are launch_pass1 / launch_pass2 of multi_tensor_apply.cuh.
 #include "multi_tensor_apply.cuh"
 
 namespace fusedopt {
@@ -29,12 +31,17 @@ struct LambPass1 {
   const float* found_inf;  // 0-dim or nullptr
   T* partials;             // [chunks, 2] workspace
 
+  static TableRows<kRows> rows(const BucketPtrs& b) {
+    return {{b.weights, b.grads, b.state1, b.state2, step_row(b)}};
+  }
+
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t row) const {
     T acc[2] = {T(0), T(0)};
     if (!step_skipped(found_inf)) {  // the same for every thread of the block
       const Scalars sc = block_broadcast<Scalars>([&] {
-        // Note [step counts]: pass 1 uses the new t; the reduction stores it after every chunk.
+        // pass 1 uses the new t; the reduction stores it after every chunk (Note [step counts in
+        // reduce_kernel] in multi_tensor_apply.cuh)
         const float step = *static_cast<const float*>(t.ptrs[kStep][slot]) + 1.0f;
         return Scalars{lamb_coef<T>(h, step), grad_mult != nullptr ? *grad_mult : T(1)};
       });
@@ -81,6 +88,14 @@ struct LambPass2 {
   const float* found_inf;  // 0-dim or nullptr
   const double* lr;        // 0-dim or nullptr
 
+  static TableRows<kRows> rows(const BucketPtrs& b) {
+    if constexpr (kHasParam) {
+      return {{b.weights, b.state1, b.state2, b.params, step_row(b)}};
+    } else {
+      return {{b.weights, b.state1, b.state2, step_row(b)}};
+    }
+  }
+
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t) const {
     if (step_skipped(found_inf)) return;  // the same for every thread of the block
@@ -90,7 +105,7 @@ struct LambPass2 {
       const double lr_value = lr != nullptr ? *lr : h.lr;
       const T phi = lamb_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], h);
       return Scalars{lamb_coef<T>(h, step), static_cast<T>(lr_value) * phi,
-                     h.decoupled ? static_cast<T>(1.0 - lr_value * h.weight_decay) : T(1)};
+                     lamb_decay<T>(h, lr_value)};
     });
     W* w = chunk_ptr<W>(t, kW, slot, begin);
     const T* m = chunk_ptr<const T>(t, kM, slot, begin);
@@ -114,57 +129,19 @@ struct LambPass2 {
   }
 };
 
-template <typename T, typename W, typename G>
-cudaError_t run_pass1(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s, T* sums,
-                      T* partials, cudaStream_t stream) {
-  using Op = LambPass1<T, W, G>;
-  const Op op{h, static_cast<const T*>(s.grad_mult), s.found_inf, partials};
-  void* const* const lists[Op::kRows] = {b.weights, b.grads, b.state1, b.state2,
-                                         reinterpret_cast<void* const*>(b.steps)};
-  return run_pass_with_norms<2, Op::kStep>(b.n, b.numel, lists, op,
-                                            static_cast<const T*>(partials), sums, s.found_inf,
-                                            stream);
-}
-
-template <typename T, typename W, typename P>
-cudaError_t run_pass2(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
-                      const T* sums, cudaStream_t stream) {
-  using Op = LambPass2<T, W, P>;
-  const Op op{h, sums, s.found_inf, s.lr};
-  void* const* const steps = reinterpret_cast<void* const*>(b.steps);
-  if constexpr (Op::kHasParam) {
-    void* const* const lists[Op::kRows] = {b.weights, b.state1, b.state2, b.params, steps};
-    return run_pass(b.n, b.numel, lists, op, stream);
-  } else {
-    void* const* const lists[Op::kRows] = {b.weights, b.state1, b.state2, steps};
-    return run_pass(b.n, b.numel, lists, op, stream);
-  }
-}
-
 }  // namespace
 
 cudaError_t launch_lamb_pass1(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
                               void* sums, void* partials, cudaStream_t stream) {
-  return dispatch_weights_and_grads(b, [&](auto c_tag, auto w_tag, auto g_tag) {
-    using C = typename decltype(c_tag)::type;
-    using W = typename decltype(w_tag)::type;
-    using G = typename decltype(g_tag)::type;
-    return run_pass1<C, W, G>(b, h, s, static_cast<C*>(sums), static_cast<C*>(partials), stream);
-  });
+  return launch_pass1<LambPass1>(b, h, s, sums, partials, stream);
 }
 
 cudaError_t launch_lamb_pass2(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
                               const void* sums, cudaStream_t stream) {
-  if (b.weight_dtype == DType::kFloat64) {
-    if (b.params != nullptr) return cudaErrorNotSupported;
-    return run_pass2<double, double, NoParam>(b, h, s, static_cast<const double*>(sums), stream);
-  }
-  return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
-    using W = typename decltype(w_tag)::type;
-    return dispatch_param_out<W>(b, [&](auto p_tag) {
-      using P = typename decltype(p_tag)::type;
-      return run_pass2<float, W, P>(b, h, s, static_cast<const float*>(sums), stream);
-    });
+  return launch_pass2</*kReadsGrads=*/false>(b, stream, [&](auto c_tag, auto w_tag, auto p_tag) {
+    using C = typename decltype(c_tag)::type;
+    using Op = LambPass2<C, typename decltype(w_tag)::type, typename decltype(p_tag)::type>;
+    return Op{h, static_cast<const C*>(sums), s.found_inf, s.lr};
   });
 }
 

@@ -5,18 +5,18 @@
 // Memory traffic per element is docs/math.md's 28 B for fp32: pass 1 reads w, g; pass 2 reads w, g, v
 // and writes w, v.
 //
-// Note [shared math]: the trust ratio, the per-tensor coefficients and the per-element update are
-// calls into fusedopt/math.h (lars_trust_ratio, lars_coef, lars_apply), the header the C++ CPU
-// backend uses too and that its tests exercise on the host against the float64 reference. The
-// only arithmetic written here is the quantity whose norm pass 1 needs (g, or g + lambda*w, the
-// same expression as lars_apply's d before the ratio).
+// The trust ratio, the per-tensor coefficients and the per-element update are calls into
+// fusedopt/math.h (lars_trust_ratio, lars_coef, lars_apply): see Note [shared math] in lamb.cu.
+// The only arithmetic written here is the quantity whose norm pass 1 needs (g, or g + lambda*w,
+// the same expression as lars_apply's d before the ratio).
 #include "multi_tensor_apply.cuh"
 
 namespace fusedopt {
 namespace cuda {
 namespace {
 
-// Pass 1 of one chunk. Table rows: w, g, step (the step is advanced by the reduction).
+// Pass 1 of one chunk. Table rows: w, g, step (the step is advanced by the reduction: Note [step
+// counts in reduce_kernel] in multi_tensor_apply.cuh).
 template <typename T, typename W, typename G>
 struct LarsPass1 {
   enum Row { kW, kG, kStep, kRows };
@@ -25,6 +25,10 @@ struct LarsPass1 {
   const T* grad_mult;      // 0-dim or nullptr
   const float* found_inf;  // 0-dim or nullptr
   T* partials;             // [chunks, 2] workspace
+
+  static TableRows<kRows> rows(const BucketPtrs& b) {
+    return {{b.weights, b.grads, step_row(b)}};
+  }
 
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t row) const {
@@ -70,6 +74,14 @@ struct LarsPass2 {
   const float* found_inf;  // 0-dim or nullptr
   const double* lr;        // 0-dim or nullptr
 
+  static TableRows<kRows> rows(const BucketPtrs& b) {
+    if constexpr (kHasParam) {
+      return {{b.weights, b.grads, b.state1, b.params, step_row(b)}};
+    } else {
+      return {{b.weights, b.grads, b.state1, step_row(b)}};
+    }
+  }
+
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t) const {
     if (step_skipped(found_inf)) return;  // the same for every thread of the block
@@ -101,64 +113,23 @@ struct LarsPass2 {
   }
 };
 
-template <typename T, typename W, typename G>
-cudaError_t run_pass1(const BucketPtrs& b, const LarsHyper& h, const DeviceScalars& s, T* sums,
-                      T* partials, cudaStream_t stream) {
-  using Op = LarsPass1<T, W, G>;
-  const Op op{h, static_cast<const T*>(s.grad_mult), s.found_inf, partials};
-  void* const* const lists[Op::kRows] = {b.weights, b.grads,
-                                         reinterpret_cast<void* const*>(b.steps)};
-  return run_pass_with_norms<2, Op::kStep>(b.n, b.numel, lists, op,
-                                            static_cast<const T*>(partials), sums, s.found_inf,
-                                            stream);
-}
-
-template <typename T, typename W, typename G, typename P>
-cudaError_t run_pass2(const BucketPtrs& b, const LarsHyper& h, const DeviceScalars& s,
-                      const T* sums, cudaStream_t stream) {
-  using Op = LarsPass2<T, W, G, P>;
-  const Op op{h, sums, static_cast<const T*>(s.grad_mult), s.found_inf, s.lr};
-  void* const* const steps = reinterpret_cast<void* const*>(b.steps);
-  if constexpr (Op::kHasParam) {
-    void* const* const lists[Op::kRows] = {b.weights, b.grads, b.state1, b.params, steps};
-    return run_pass(b.n, b.numel, lists, op, stream);
-  } else {
-    void* const* const lists[Op::kRows] = {b.weights, b.grads, b.state1, steps};
-    return run_pass(b.n, b.numel, lists, op, stream);
-  }
-}
-
 }  // namespace
 
 cudaError_t launch_lars_pass1(const BucketPtrs& b, const LarsHyper& h, const DeviceScalars& s,
                               void* sums, void* partials, cudaStream_t stream) {
-  return dispatch_weights_and_grads(b, [&](auto c_tag, auto w_tag, auto g_tag) {
-    using C = typename decltype(c_tag)::type;
-    using W = typename decltype(w_tag)::type;
-    using G = typename decltype(g_tag)::type;
-    return run_pass1<C, W, G>(b, h, s, static_cast<C*>(sums), static_cast<C*>(partials), stream);
-  });
+  return launch_pass1<LarsPass1>(b, h, s, sums, partials, stream);
 }
 
 cudaError_t launch_lars_pass2(const BucketPtrs& b, const LarsHyper& h, const DeviceScalars& s,
                               const void* sums, cudaStream_t stream) {
-  if (b.weight_dtype == DType::kFloat64) {
-    if (b.grad_dtype != DType::kFloat64 || b.params != nullptr) return cudaErrorNotSupported;
-    return run_pass2<double, double, double, NoParam>(b, h, s, static_cast<const double*>(sums),
-                                                      stream);
-  }
-  return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
-    using W = typename decltype(w_tag)::type;
-    return dispatch_param_out<W>(b, [&](auto p_tag) {
-      using P = typename decltype(p_tag)::type;
-      // the grads belong to the params: stored as P beside masters, else as W
-      using S = std::conditional_t<std::is_same<P, NoParam>::value, W, P>;
-      return dispatch_grad<S>(b.grad_dtype, [&](auto g_tag) {
-        using G = typename decltype(g_tag)::type;
-        return run_pass2<float, W, G, P>(b, h, s, static_cast<const float*>(sums), stream);
+  return launch_pass2</*kReadsGrads=*/true>(
+      b, stream, [&](auto c_tag, auto w_tag, auto g_tag, auto p_tag) {
+        using C = typename decltype(c_tag)::type;
+        using Op = LarsPass2<C, typename decltype(w_tag)::type, typename decltype(g_tag)::type,
+                             typename decltype(p_tag)::type>;
+        return Op{h, static_cast<const C*>(sums), static_cast<const C*>(s.grad_mult), s.found_inf,
+                  s.lr};
       });
-    });
-  });
 }
 
 }  // namespace cuda

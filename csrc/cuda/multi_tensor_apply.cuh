@@ -183,11 +183,12 @@ __device__ __forceinline__ bool step_skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.0f;
 }
 
-// Note [step counts]: the second stage of a pass 1. One block per slot of the table adds the
-// tensor's partial rows in chunk order and writes its row of sums; thread 0 then advances the
-// step count (row kStepRow of the table, -1: none) unless found_inf is set. Every chunk block of
-// pass 1 has read the OLD count (and used old + 1) before this kernel starts on the same stream,
-// so the single increment here is race-free.
+// Note [step counts in reduce_kernel]: the second stage of a pass 1. One block per slot of the
+// table adds the tensor's partial rows in chunk order and writes its row of sums; thread 0 then
+// advances the step count (row kStepRow of the table, -1: none) unless found_inf is set. Every
+// chunk block of pass 1 has read the OLD count (and used old + 1) before this kernel starts on
+// the same stream, so the single increment here is race-free. (The Triton kernels keep the same
+// rule in one launch: Note [step counts] in fusedopt/kernels/common.py.)
 template <int K, int kStepRow, typename T, int kRows>
 __global__ void __launch_bounds__(kReduceBlockSize)
     reduce_kernel(const FUSEDOPT_GRID_CONSTANT TensorTable<kRows> table,
@@ -452,6 +453,75 @@ cudaError_t dispatch_param_out(const BucketPtrs& b, const F& f) {
     }
   }
   return cudaErrorNotSupported;
+}
+
+// ------------------------------------------------------------------------- pass launchers
+
+// The bucket's lists in the row order of a pass functor (Note [tensor table]): every functor of
+// lamb.cu and lars.cu has a `static TableRows<kRows> rows(const BucketPtrs&)` naming them.
+template <int kRows>
+struct TableRows {
+  void* const* lists[kRows];
+};
+
+inline void* const* step_row(const BucketPtrs& b) {
+  return reinterpret_cast<void* const*>(b.steps);
+}
+
+// Pass 1 of LAMB and LARS: Pass1<C, W, G>{h, grad_mult, found_inf, partials} (C, W, G from
+// dispatch_weights_and_grads) over the bucket's tables; the reduction writes the two per-tensor
+// sums of squares to sums [n, 2] and advances the step counts of row Pass1::kStep.
+template <template <typename, typename, typename> class Pass1, typename H>
+cudaError_t launch_pass1(const BucketPtrs& b, const H& h, const DeviceScalars& s, void* sums,
+                         void* partials, cudaStream_t stream) {
+  return dispatch_weights_and_grads(b, [&](auto c_tag, auto w_tag, auto g_tag) {
+    using C = typename decltype(c_tag)::type;
+    using Op = Pass1<C, typename decltype(w_tag)::type, typename decltype(g_tag)::type>;
+    const Op op{h, static_cast<const C*>(s.grad_mult), s.found_inf, static_cast<C*>(partials)};
+    const TableRows<Op::kRows> rows = Op::rows(b);
+    return run_pass_with_norms<2, Op::kStep>(b.n, b.numel, rows.lists, op,
+                                              static_cast<const C*>(partials),
+                                              static_cast<C*>(sums), s.found_inf, stream);
+  });
+}
+
+// Pass 2 of LAMB and LARS: the functor make(Tag<C>{}, Tag<W>{}, [Tag<G>{},] Tag<P>{}) returns,
+// over the bucket's tables. All float64 (grads float64, no params), or float32 math for
+// float32/float16/bfloat16 weights with P from dispatch_param_out; with kReadsGrads, G is the
+// grads' type from dispatch_grad for the params' storage type (P beside masters, else W).
+template <bool kReadsGrads, typename Make>
+cudaError_t launch_pass2(const BucketPtrs& b, cudaStream_t stream, const Make& make) {
+  auto run = [&](auto... tags) {
+    const auto op = make(tags...);
+    using Op = std::remove_const_t<decltype(op)>;
+    const TableRows<Op::kRows> rows = Op::rows(b);
+    return run_pass(b.n, b.numel, rows.lists, op, stream);
+  };
+  if (b.weight_dtype == DType::kFloat64) {
+    if ((kReadsGrads && b.grad_dtype != DType::kFloat64) || b.params != nullptr) {
+      return cudaErrorNotSupported;
+    }
+    if constexpr (kReadsGrads) {
+      return run(Tag<double>{}, Tag<double>{}, Tag<double>{}, Tag<NoParam>{});
+    } else {
+      return run(Tag<double>{}, Tag<double>{}, Tag<NoParam>{});
+    }
+  }
+  return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {
+    using W = typename decltype(w_tag)::type;
+    return dispatch_param_out<W>(b, [&](auto p_tag) {
+      if constexpr (kReadsGrads) {
+        using P = typename decltype(p_tag)::type;
+        // the grads belong to the params: stored as P beside masters, else as W
+        using S = std::conditional_t<std::is_same<P, NoParam>::value, W, P>;
+        return dispatch_grad<S>(b.grad_dtype, [&](auto g_tag) {
+          return run(Tag<float>{}, w_tag, g_tag, p_tag);
+        });
+      } else {
+        return run(Tag<float>{}, w_tag, p_tag);
+      }
+    });
+  });
 }
 
 }  // namespace cuda

@@ -25,6 +25,8 @@ struct LambHyper {
   double weight_decay;  // lambda
   double ratio_lo;      // trust_ratio_bounds (used when bounded)
   double ratio_hi;
+  double one_minus_beta2;
+  double lambda_in_u;   // lambda unless decoupled (then 0)
   bool bias_correction;
   bool adapt;
   bool decoupled;       // decoupled_weight_decay
@@ -39,6 +41,7 @@ struct LarsHyper {
   double weight_decay;       // lambda
   double trust_coefficient;  // kappa
   double eps;
+  double one_minus_dampening;
   bool nesterov;
   bool trust_clip;
   bool combined;        // denominator == "combined": kappa*|w| / (|g + lambda*w| + eps)
@@ -79,15 +82,23 @@ FUSEDOPT_HD LambCoef<T> lamb_coef(const LambHyper& h, double t) {
   c.beta1 = T(h.beta1);
   c.beta2 = T(h.beta2);
   c.beta3 = T(h.beta3);
-  c.one_minus_beta2 = T(1.0 - h.beta2);
+  c.one_minus_beta2 = T(h.one_minus_beta2);
   c.eps = T(h.eps);
   c.r1 = h.bias_correction ? T(1.0 / bias_correction(h.beta1, t)) : T(1);
   c.r2 = h.bias_correction ? T(1.0 / sqrt(bias_correction(h.beta2, t))) : T(1);
-  c.lambda_in_u = h.decoupled ? T(0) : T(h.weight_decay);
+  c.lambda_in_u = T(h.lambda_in_u);
   return c;
 }
 
 // m <- beta1*m + beta3*g ;  v <- beta2*v + (1-beta2)*g^2
+// The factor on w before LAMB's update: 1 - lr*lambda with decoupled weight decay, else 1; in
+// double, rounded once to T (the eager backend: fusedopt/_hyper.py decay_factor). lr is read
+// where it lives (a device tensor on CUDA), so the factor is formed beside the kernel.
+template <typename T>
+FUSEDOPT_HD T lamb_decay(const LambHyper& h, double lr) {
+  return h.decoupled ? T(1.0 - lr * h.weight_decay) : T(1);
+}
+
 template <typename T>
 FUSEDOPT_HD void lamb_moments(T g, T& m, T& v, const LambCoef<T>& c) {
   m = c.beta1 * m + c.beta3 * g;
@@ -169,7 +180,7 @@ FUSEDOPT_HD LarsCoef<T> lars_coef(const LarsHyper& h, T ratio, double t) {
     c.add = T(h.lr);
   } else {
     c.keep = first ? T(0) : T(h.momentum);
-    c.add = first ? T(1) : T(1.0 - h.dampening);
+    c.add = first ? T(1) : T(h.one_minus_dampening);
   }
   return c;
 }

@@ -131,7 +131,7 @@ class EagerBackend(Backend):
         m = torch._foreach_mul(b.exp_avgs, h.beta1)
         torch._foreach_add_(m, g, alpha=h.beta3)
         v = torch._foreach_mul(b.exp_avg_sqs, h.beta2)
-        torch._foreach_addcmul_(v, g, g, value=1.0 - h.beta2)
+        torch._foreach_addcmul_(v, g, g, value=h.one_minus_beta2)
         # u = (m·r1) / (sqrt(v)·r2 + eps) + λ·w: Note [bias-correction factors] in math.h
         den = torch._foreach_sqrt(v)
         if h.bias_correction:
@@ -143,8 +143,8 @@ class EagerBackend(Backend):
             m_hat = m
         torch._foreach_add_(den, h.eps)
         u = torch._foreach_div(m_hat, den)
-        if h.weight_decay != 0 and not h.decoupled:
-            torch._foreach_add_(u, w, alpha=h.weight_decay)
+        if h.lambda_in_u != 0:
+            torch._foreach_add_(u, w, alpha=h.lambda_in_u)
         b.scratch.update(t=t, w=w, u=u, m=m, v=v)
         return torch.stack([_sq(w, cd), _sq(u, cd)], dim=1)
 
@@ -152,9 +152,8 @@ class EagerBackend(Backend):
         s = b.scratch
         phi = lamb_trust_ratio(sums[:, 0], sums[:, 1], h)
         w = s["w"]
-        if h.decoupled and h.weight_decay != 0:
-            lr = h.lr.to(b.compute_dtype) if isinstance(h.lr, torch.Tensor) else h.lr
-            w = torch._foreach_mul(w, 1.0 - lr * h.weight_decay)
+        if h.decoupled_lambda != 0:
+            w = torch._foreach_mul(w, h.decay_factor(b.compute_dtype))
         step = torch._foreach_mul(s["u"], _per_tensor(-h.lr * phi))
         w_new = torch._foreach_add(w, step)
         _commit(b.exp_avgs, s["m"], found_inf)
@@ -187,7 +186,7 @@ class EagerBackend(Backend):
         else:
             later = (t != 1).to(b.compute_dtype)  # torch SGD: the buffer starts as d at t = 1
             a = _per_tensor(later * mu)
-            c = _per_tensor(1.0 - later * h.dampening)
+            c = _per_tensor(torch.full_like(later, h.one_minus_dampening).where(later != 0, 1.0))
             v = torch._foreach_mul(buf, a)
             torch._foreach_add_(v, torch._foreach_mul(d, c))
             step = torch._foreach_add(d, v, alpha=mu) if h.nesterov else v

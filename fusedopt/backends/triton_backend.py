@@ -58,8 +58,8 @@ class _Kernels:
     def __init__(self):
         import triton.language as tl
 
-        from ..kernels import lamb, lars, norms, tables
-        self.lamb, self.lars, self.norms, self.tables = lamb, lars, norms, tables
+        from ..kernels import common, lamb, lars, tables
+        self.common, self.lamb, self.lars, self.tables = common, lamb, lars, tables
         self.dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
                       torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -164,7 +164,7 @@ class TritonBackend(Backend):
             part = out if len(by_dtype) == 1 and cd == out_dtype else torch.empty(
                 len(group), dtype=cd, device=out.device)
             for table in t.tables([group], store, role=f"sq_norms:{dtype}"):
-                run(self.k.norms.sq_norms_kernel, table,
+                run(self.k.common.sq_norms_kernel, table,
                     records=table.records, owner=table.owner, partials=table.partials(cd),
                     counters=table.counters, sums=part,
                     X_DTYPE=self.k.dtype[dtype], CD=self.k.dtype[cd], ALIGNED=table.aligned,
@@ -215,8 +215,8 @@ class TritonBackend(Backend):
     @staticmethod
     def _lamb_scalars(h: LambHyper) -> dict:
         """Kernel arguments of math.h's ``lamb_coef``, shared by both passes."""
-        return dict(beta1=h.beta1, beta2=h.beta2, beta3=h.beta3, one_minus_beta2=1.0 - h.beta2,
-                    eps=h.eps, lambda_in_u=0.0 if h.decoupled else h.weight_decay,
+        return dict(beta1=h.beta1, beta2=h.beta2, beta3=h.beta3, one_minus_beta2=h.one_minus_beta2,
+                    eps=h.eps, lambda_in_u=h.lambda_in_u,
                     BIAS_CORRECTION=h.bias_correction)
 
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf, run=None):
@@ -226,7 +226,7 @@ class TritonBackend(Backend):
     def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf, run=None):
         self._pass2(
             self.k.lamb.lamb_pass2_kernel, b, sums, found_inf, run, **self._lamb_scalars(h),
-            decoupled_wd=h.weight_decay if h.decoupled else 0.0,
+            decoupled_wd=h.decoupled_lambda,
             ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi, ADAPT=h.adapt, BOUNDED=h.bounded,
             **_lr_args(h.lr, b.device),
         )
@@ -241,7 +241,7 @@ class TritonBackend(Backend):
             self.k.lars.lars_pass2_kernel, b, sums, found_inf, run,
             grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
             G_DTYPE=self.k.dtype[b.grad_dtype],
-            momentum=h.momentum, one_minus_dampening=1.0 - h.dampening,
+            momentum=h.momentum, one_minus_dampening=h.one_minus_dampening,
             weight_decay=h.weight_decay, trust_coefficient=h.trust_coefficient, eps=h.eps,
             ADAPT=h.adapt, COMBINED=h.combined, TRUST_CLIP=h.trust_clip, NESTEROV=h.nesterov,
             LR_IN_MOMENTUM=h.lr_in_momentum,

@@ -4,7 +4,7 @@ Pass 1 (``lamb_pass1_kernel``), per element, with ``t`` the new step count::
 
     m ← β1·m + β3·g,  v ← β2·v + (1-β2)·g²          (stored)
     u = m̂ / (sqrt(v̂) + eps) + λ·w                     (not stored)
-    sums[i] = (Σ w², Σ u²)                             (Note [two-stage norms] in norms.py)
+    sums[i] = (Σ w², Σ u²)                             (Note [two-stage norms] in common.py)
 
 Pass 2 (``lamb_pass2_kernel``) recomputes ``u`` from the stored ``w, m, v`` and the stored step
 count, takes ``φ`` from ``sums`` (which may have been all-reduced in between) and writes
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .math import lamb_apply, lamb_coef, lamb_direction, lamb_moments, lamb_trust_ratio
-from .norms import (
+from .common import (
     GRAD, MASTER, OUT, PARAM, STATE0, STATE1, STEP, chunks_of, finish_rows, grad_multiplier,
     load_tile, masked_sq, round_to, tensor_ptrs,
 )
@@ -62,7 +62,7 @@ def lamb_pass1_kernel(
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     step_ptr = tl.load(rec + STEP).to(tl.pointer_type(tl.float32))
-    t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in norms.py
+    t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in common.py
     b1, b2, b3, omb2, eps_c, r1, r2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
                                                      lambda_in_u, CD, BIAS_CORRECTION)
     r1 = r1[:, None]

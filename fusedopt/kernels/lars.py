@@ -2,7 +2,7 @@
 
 Pass 1 (``lars_pass1_kernel``) reads w and g and writes ``sums[i] = (Σ w², Σ g²)``, or
 ``(Σ w², Σ (g + λw)²)`` for ``denominator="combined"``, finalised in the same launch by the
-last program of each tensor (Note [two-stage norms] in norms.py), which also advances the step
+last program of each tensor (Note [two-stage norms] in common.py), which also advances the step
 count. Pass 2 (``lars_pass2_kernel``) takes the trust ratio from ``sums`` (possibly all-reduced in
 between), reads w, g, v and writes v and w (the fp32 master, and the param rounded to nearest
 even). Memory traffic per element: 8 + 20 bytes, docs/math.md's 28 for float32.
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .math import lars_apply, lars_coef, lars_trust_ratio
-from .norms import (
+from .common import (
     GRAD, MASTER, OUT, PARAM, STATE0, STEP, chunks_of, finish_rows, grad_multiplier, load_tile,
     round_to, tensor_ptrs,
 )
@@ -47,7 +47,7 @@ def lars_pass1_kernel(
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
         records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
     step_ptr = tl.load(rec + STEP).to(tl.pointer_type(tl.float32))
-    t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in norms.py
+    t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in common.py
     gm = grad_multiplier(grad_mult, CD, HAS_GRAD_MULT)
     lam = tl.full((), weight_decay, CD)
     if HAS_MASTER:

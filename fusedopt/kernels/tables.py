@@ -12,7 +12,7 @@ The kernels never receive a Python list of tensors. A set of ``n`` tensors is de
   ``[ROWS, BLOCK_SIZE]`` tiles, so many small tensors share a program and a large one spreads
   over many; ``owner`` is padded with -1 to a multiple of ``ROWS``;
 * the workspace of the two-stage norms: ``partials`` ``[C, 2]`` and the int32 ``counters`` ``[n]``
-  (zero between launches, see kernels/norms.py).
+  (zero between launches, see kernels/common.py).
 
 Note [per-tensor alignment]: the kernels load 16-byte vectors only when told (``ALIGNED``) that
 every data pointer of the table is a multiple of 16 bytes. A bucket's tensors are therefore split
@@ -76,7 +76,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # read when triton makes its choi
 # Lanes of the finaliser's fixed-order reduction over the chunk partials of one tensor.
 REDUCE_BLOCK = 128
 
-# Columns of a record (kernels/norms.py reads them by these numbers).
+# Columns of a record (kernels/common.py reads them by these numbers).
 PARAM, GRAD, MASTER, STATE0, STATE1, STEP, NUMEL, FIRST_CHUNK, OUT = range(9)
 RECORD = 9
 

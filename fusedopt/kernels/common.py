@@ -19,7 +19,9 @@ program's reads, which bypass L1 (``.cg``: it could hold lines from an earlier s
 Note [step counts]: pass 1 advances each tensor's step count (unless found_inf). Every row of a
 tensor reads the old count and uses ``t + 1``; only the tensor's last row (the one that writes
 its sums) stores ``t + 1``, after all the others have read ``t`` (Note [two-stage norms]).
-Pass 2, a later launch, reads the new count.
+Pass 2, a later launch, reads the new count. (The CUDA backend keeps the same rule with a
+separate reduction kernel: Note [step counts in reduce_kernel] in
+csrc/cuda/multi_tensor_apply.cuh.)
 
 Note [bf16 rounding in the interpreter]: compiled kernels round float32 to bfloat16 to nearest
 even (``cvt.rn.bf16.f32``), as torch does; Triton's interpreter (3.7) truncates instead. Under
