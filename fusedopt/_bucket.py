@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def compute_dtype(param_dtype: torch.dtype) -> torch.dtype:
     """Math runs in float64 for float64 params and in float32 for every other storage dtype."""
     return torch.float64 if param_dtype == torch.float64 else torch.float32

@@ -46,7 +46,8 @@ LARS_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def _is_real(x: Any) -> bool:
+def is_real(x: Any) -> bool:
+    """A real number that is not a bool (True is an int in Python)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -60,7 +61,7 @@ def _check_lr(lr: Any) -> None:
         if not torch.compiler.is_compiling():  # a traced step reads no value on the host
             check_lr_value(lr)
         return
-    if not _is_real(lr) or not (lr >= 0.0) or math.isinf(lr):
+    if not is_real(lr) or not (lr >= 0.0) or math.isinf(lr):
         raise ValueError(f"Invalid lr: {lr!r}; expected a finite number >= 0")
 
 
@@ -73,7 +74,7 @@ def check_lr_value(lr: torch.Tensor) -> None:
 
 
 def _check_nonneg(name: str, x: Any) -> None:
-    if not _is_real(x) or not (x >= 0.0) or math.isinf(x):
+    if not is_real(x) or not (x >= 0.0) or math.isinf(x):
         raise ValueError(f"Invalid {name}: {x!r}; expected a finite number >= 0")
 
 
@@ -85,7 +86,7 @@ def _check_bool(name: str, x: Any) -> None:
 def _check_max_grad_norm(x: Any) -> None:
     if x is None:
         return
-    if not _is_real(x) or not (x > 0.0):
+    if not is_real(x) or not (x > 0.0):
         raise ValueError(
             f"Invalid max_grad_norm: {x!r}; expected None (no clipping) or a number > 0"
         )
@@ -103,10 +104,10 @@ def validate_lamb_group(g: dict[str, Any]) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2)")
     for i, b in enumerate(betas, start=1):
-        if not _is_real(b) or not (0.0 <= b < 1.0):
+        if not is_real(b) or not (0.0 <= b < 1.0):
             raise ValueError(f"Invalid beta{i}: {b!r}; expected 0 <= beta{i} < 1")
     eps = g["eps"]
-    if not _is_real(eps) or not (eps > 0.0) or math.isinf(eps):
+    if not is_real(eps) or not (eps > 0.0) or math.isinf(eps):
         # u = m / (sqrt(v) + eps) is 0/0 for an element whose gradient has been 0 at every step
         raise ValueError(f"Invalid eps: {eps!r}; expected a finite number > 0 (LAMB divides by "
                          "sqrt(v) + eps, which is 0 where all gradients so far were 0)")
@@ -116,7 +117,7 @@ def validate_lamb_group(g: dict[str, Any]) -> None:
     _check_max_grad_norm(g["max_grad_norm"])
     bounds = g["trust_ratio_bounds"]
     if bounds is not None:
-        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2 or not all(map(_is_real, bounds)):
+        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2 or not all(map(is_real, bounds)):
             raise ValueError(
                 f"Invalid trust_ratio_bounds: {bounds!r}; expected None or a pair (lo, hi)"
             )
@@ -135,10 +136,10 @@ def validate_lars_group(g: dict[str, Any]) -> None:
     _check_nonneg("weight_decay", g["weight_decay"])
     _check_nonneg("eps", g["eps"])
     tc = g["trust_coefficient"]
-    if not _is_real(tc) or not (tc > 0.0) or math.isinf(tc):
+    if not is_real(tc) or not (tc > 0.0) or math.isinf(tc):
         raise ValueError(f"Invalid trust_coefficient: {tc!r}; expected a finite number > 0")
     damp = g["dampening"]
-    if not _is_real(damp) or not (0.0 <= damp <= 1.0):
+    if not is_real(damp) or not (0.0 <= damp <= 1.0):
         raise ValueError(f"Invalid dampening: {damp!r}; expected 0 <= dampening <= 1")
     for name in ("nesterov", "trust_clip", "lr_in_momentum", "adapt"):
         _check_bool(name, g[name])

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends as _backends
+from ._bucket import local as _local
 
 if TYPE_CHECKING:
     from ._bucket import Bucket
@@ -66,11 +67,6 @@ def _dtensor_type():
     except ImportError:
         return None
     return DTensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 @dataclass(frozen=True)

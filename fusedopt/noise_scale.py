@@ -33,13 +33,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ._hyper import is_real
+
 __all__ = ["GradientNoiseScale", "GradientAccumulationNoiseScale", "DDPGradientNoiseScale"]
 
 ACCUMULATION_MODES = ("mean", "sum")
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_batch(name: str, x: Any) -> int:
@@ -61,7 +59,7 @@ def _as_scalar_tensor(name: str, x: Any, device: torch.device | None) -> torch.T
                              "real scalar (one element)")
         dev = x.device if device is None else device
         return x.detach().reshape(()).to(dev, _work_dtype(dev))
-    if not _is_real(x) or not math.isfinite(x) or x < 0:
+    if not is_real(x) or not math.isfinite(x) or x < 0:
         raise ValueError(f"Invalid {name}: {x!r}; expected a finite number >= 0")
     dev = torch.device("cpu") if device is None else device
     return torch.tensor(float(x), dtype=_work_dtype(dev), device=dev)
@@ -90,7 +88,7 @@ class GradientNoiseScale:
     """
 
     def __init__(self, beta: float = 0.99) -> None:
-        if not _is_real(beta) or not (0.0 <= beta < 1.0):
+        if not is_real(beta) or not (0.0 <= beta < 1.0):
             raise ValueError(f"Invalid beta: {beta!r}; expected a number in [0, 1)")
         self.beta = float(beta)
         self.reset()
@@ -217,7 +215,7 @@ class GradientNoiseScale:
         if missing:
             raise ValueError(f"Invalid state_dict: missing keys {sorted(missing)}")
         beta = state_dict["beta"]
-        if not _is_real(beta) or not (0.0 <= beta < 1.0):
+        if not is_real(beta) or not (0.0 <= beta < 1.0):
             raise ValueError(f"Invalid beta in state_dict: {beta!r}; expected a number in [0, 1)")
         n = state_dict["num_updates"]
         if not isinstance(n, numbers.Integral) or n < 0:

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from . import backends as _backends
 from ._bucket import compute_dtype
+from ._bucket import local as _local
 from ._hyper import (
     LAMB_DEFAULTS,
     LARS_DEFAULTS,
@@ -31,12 +32,6 @@ from .functional import TensorGroup, cached_bucket, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _MISSING = object()  # an option deleted from a param group
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from ._hyper import is_real
+
 __all__ = [
     "scale_lr",
     "WarmupDecayLR",
@@ -49,10 +51,6 @@ DECAYS = ("poly", "cosine", "none")
 
 
 # --------------------------------------------------------------------------- validation helpers
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -65,7 +63,7 @@ def _check_positive_int(name: str, x: Any) -> int:
 
 def _check_real(name: str, x: Any, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float:
     """Finite real in the interval; the message names the value and the allowed range."""
-    ok = _is_real(x) and math.isfinite(x)
+    ok = is_real(x) and math.isfinite(x)
     if ok:
         ok = (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
     if not ok:

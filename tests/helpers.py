@@ -1,13 +1,8 @@
 """Shared test harness: run a backend for several steps and compare with the float64 reference."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
-import types
-
 import torch
+from hypothesis import strategies as st
 
 import fusedopt
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
@@ -197,39 +192,27 @@ def assert_nan_rule(runs):
         assert max_rel_err([params[1]], [ref_second]) <= tols(torch.float32), case
 
 
-def timm_optimizers():
-    """timm's ``(Lamb, Lars)`` classes, or None when timm is not installed.
-
-    ``import timm`` imports its model zoo, which needs torchvision; torchvision does not import
-    beside every torch build (not beside the CPU wheel our machines use). The two optimizer
-    modules need only torch, so when the normal import fails they are loaded from timm's own files
-    with ``timm`` and ``timm.optim`` registered as bare packages (their ``__init__`` not run).
-    The benchmark (fusedopt/bench.py) has its own copy: tests import no helper from the library.
-    """
-    before = set(sys.modules)
-
-    def forget_new_timm_modules():
-        for name in [m for m in sys.modules if m.split(".")[0] == "timm" and m not in before]:
-            del sys.modules[name]
-
-    try:
-        from timm.optim import Lamb, Lars
-        return Lamb, Lars
-    except ImportError:
-        forget_new_timm_modules()  # what the failed import left half-initialised
-    spec = importlib.util.find_spec("timm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    try:
-        root = list(spec.submodule_search_locations)[0]
-        for name, path in (("timm", root), ("timm.optim", os.path.join(root, "optim"))):
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [path]
-            sys.modules[name] = pkg
-        lamb = importlib.import_module("timm.optim.lamb").Lamb
-        lars = importlib.import_module("timm.optim.lars").Lars
-    except ImportError:
-        return None
-    finally:  # the bare packages are not left behind for others to import
-        forget_new_timm_modules()
-    return lamb, lars
+# Hyper-parameters of docs/math.md for property tests: every flag, values from small to default.
+LAMB_HYPER_ST = st.fixed_dictionaries({}, optional={
+    "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.0, 0.9999)),
+    "eps": st.sampled_from([1e-30, 1e-8, 1e-6, 1e-3]),
+    "weight_decay": st.sampled_from([0.0, 1e-3, 0.1]),
+    "bias_correction": st.booleans(),
+    "grad_averaging": st.booleans(),
+    "max_grad_norm": st.sampled_from([None, 0.1, 10.0]),
+    "trust_ratio_bounds": st.sampled_from([None, (0.0, 10.0), (0.9, 1.1)]),
+    "decoupled_weight_decay": st.booleans(),
+    "adapt": st.booleans(),
+})
+LARS_HYPER_ST = st.fixed_dictionaries({}, optional={
+    "momentum": st.sampled_from([0.0, 0.5, 0.9]),
+    "weight_decay": st.sampled_from([0.0, 1e-4, 1e-2]),
+    "trust_coefficient": st.sampled_from([1e-3, 0.02, 1.0]),
+    "eps": st.sampled_from([0.0, 1e-8]),
+    "trust_clip": st.booleans(),
+    "denominator": st.sampled_from(["sum", "combined"]),
+    "lr_in_momentum": st.booleans(),
+    "dampening": st.sampled_from([0.0, 0.5]),
+    "max_grad_norm": st.sampled_from([None, 0.1, 10.0]),
+    "adapt": st.booleans(),
+})

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import fusedopt
 from fusedopt.reference import LAMB_SPEC, LARS_SPEC, ReferenceLAMB, ReferenceLARS
-from helpers import backend_params
+from helpers import LAMB_HYPER_ST, LARS_HYPER_ST, backend_params
 
 BACKENDS = ("eager", "cpp")
 ERRORS = (ValueError, RuntimeError, TypeError)
@@ -132,30 +132,6 @@ class Config:
 
 SHAPES = [(), (0,), (1,), (3,), (7,), (2, 3), (5, 4), (0, 3), (3, 1, 2)]
 
-lamb_hyper_st = st.fixed_dictionaries({}, optional={
-    "betas": st.tuples(st.sampled_from([0.0, 0.5, 0.9]), st.sampled_from([0.0, 0.9, 0.999])),
-    "eps": st.sampled_from([1e-8, 1e-6, 1e-3]),
-    "weight_decay": st.sampled_from([0.0, 1e-3, 0.1]),
-    "bias_correction": st.booleans(),
-    "grad_averaging": st.booleans(),
-    "max_grad_norm": st.sampled_from([None, 0.1, 10.0]),
-    "trust_ratio_bounds": st.sampled_from([None, (0.0, 10.0), (0.9, 1.1)]),
-    "decoupled_weight_decay": st.booleans(),
-    "adapt": st.booleans(),
-})
-lars_hyper_st = st.fixed_dictionaries({}, optional={
-    "momentum": st.sampled_from([0.0, 0.5, 0.9]),
-    "weight_decay": st.sampled_from([0.0, 1e-4, 1e-2]),
-    "trust_coefficient": st.sampled_from([1e-3, 0.02, 1.0]),
-    "eps": st.sampled_from([0.0, 1e-8]),
-    "trust_clip": st.booleans(),
-    "denominator": st.sampled_from(["sum", "combined"]),
-    "lr_in_momentum": st.booleans(),
-    "dampening": st.sampled_from([0.0, 0.5]),
-    "max_grad_norm": st.sampled_from([None, 0.1, 10.0]),
-    "adapt": st.booleans(),
-    "nesterov": st.booleans(),
-})
 
 
 @st.composite
@@ -174,7 +150,9 @@ def config_st(draw, kind, min_groups=1):
         ps = [draw(param_st(i == 0)) for i in range(n)]
         dtype = draw(st.sampled_from(DTYPES))
         gdt = dtype if draw(st.booleans()) else draw(st.sampled_from(DTYPES))
-        hyper = draw(lamb_hyper_st if kind == "lamb" else lars_hyper_st)
+        hyper = dict(draw(LAMB_HYPER_ST if kind == "lamb" else LARS_HYPER_ST))
+        if kind == "lars" and draw(st.booleans()):
+            hyper["nesterov"] = True
         if kind == "lars" and hyper.get("nesterov"):
             hyper.update(momentum=hyper.get("momentum", 0.9) or 0.9, dampening=0.0)
         groups.append(GroupSpec(ps, dtype, gdt, hyper))

@@ -390,3 +390,21 @@ def test_zero_size_param_with_stride0_grad_runs_on_every_backend(kind, backend):
     q.grad = torch.ones(3)
     opt.step()
     assert opt.state[p]["step"].item() == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoupled_decay_factor_in_the_compute_dtype(backend):
+    """float64 params with a float32 tensor lr and decoupled weight decay: ``1 - lr·λ`` is formed
+    in float64 (from the float32 lr's value), as the float lr of the same value gives."""
+    lr32 = torch.tensor(0.1, dtype=torch.float32)
+    results = []
+    for lr in (lr32, lr32.item()):
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(50, generator=gen, dtype=torch.float64))
+        opt = fusedopt.FusedLAMB([p], lr=lr, weight_decay=0.3, decoupled_weight_decay=True,
+                                 backend=backend)
+        for _ in range(3):
+            p.grad = torch.randn(50, generator=gen, dtype=torch.float64)
+            opt.step()
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-14, atol=0)

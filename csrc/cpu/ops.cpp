@@ -94,9 +94,7 @@ void check_steps(at::TensorList steps, at::TensorList weights) {
   checks::check_steps<OnCpu>(steps, weights);
 }
 
-at::ScalarType compute_dtype(at::ScalarType weight_dtype) {
-  return weight_dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
+using checks::compute_dtype;
 
 // The value of an optional 0-dim CPU tensor (read from memory: no device synchronization).
 double read_scalar(const at::Tensor& t, const char* name) {

@@ -35,9 +35,7 @@ DType to_dtype(at::ScalarType s, const char* what) {
   }
 }
 
-at::ScalarType compute_dtype(at::ScalarType weight_dtype) {
-  return weight_dtype == at::kDouble ? at::kDouble : at::kFloat;
-}
+using checks::compute_dtype;
 
 // The device policy of the shared checks of fusedopt/checks.h: CUDA tensors on the device of the
 // bucket's first weight.

@@ -28,6 +28,12 @@ namespace checks {
 // numel() elements from data_ptr() in the same order: equal sizes, and equal strides on every
 // dimension of size > 1 (a size-1 dimension's stride is never used; a tensor of at most one
 // element has a single layout).
+// Math runs in float64 for float64 weights and in float32 for every other dtype (as
+// fusedopt/_bucket.py compute_dtype).
+inline at::ScalarType compute_dtype(at::ScalarType weight_dtype) {
+  return weight_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 inline bool same_layout(const at::Tensor& t, const at::Tensor& w) {
   const c10::TensorImpl* a = t.unsafeGetTensorImpl();
   const c10::TensorImpl* b = w.unsafeGetTensorImpl();
