@@ -347,10 +347,21 @@ def trust_ratio_step(
     """
     if kind not in ("lamb", "lars"):
         raise ValueError(f"kind must be 'lamb' or 'lars', got {kind!r}")
+    built: list = []  # every (backend, bucket) of the step: each is finished, also on an error
+    try:
+        _run_step(kind, groups, built, grad_scale, found_inf, reducer, skip_nonfinite,
+                  skipped_steps)
+    finally:
+        for be, b in built:
+            be.finish(b)
+
+
+def _run_step(kind, groups, built, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps):
     plan = []
     for gi, g in enumerate(groups):
         if g.params:
             entries = _buckets(kind, gi, g)
+            built.extend(entries)
             _check_hyper(kind, gi, g.hyper, entries)
             plan.append((g.hyper, entries))
     if not plan:

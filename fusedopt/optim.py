@@ -383,12 +383,7 @@ class _TrustRatioOptimizer(Optimizer):
                 "same optimizer; serialize the calls (one optimizer per thread is fine)")
         self._pending = ([], [])  # Note [refused steps]: (params given state, stale masters)
         try:
-            groups = [self._group(gi, g) for gi, g in enumerate(self.param_groups)]
-            try:
-                self._step(groups)
-            finally:
-                for g in groups:
-                    g.grads = []  # the cache keeps no grad past the step (zero_grad frees them)
+            self._step([self._group(gi, g) for gi, g in enumerate(self.param_groups)])
         except BaseException:
             for p in self._pending[0]:
                 self.state.pop(p, None)
@@ -400,8 +395,21 @@ class _TrustRatioOptimizer(Optimizer):
                 self.state[p].pop("master_param", None)
         finally:
             self._pending = None
+            self._let_go()
             self._lock.release()
         return loss
+
+    def _let_go(self) -> None:
+        """The list cache keeps no grad past the step, also one that raised (zero_grad frees
+        them): the grads lists emptied, and a kept bucket that took grads for a step that never
+        ran finishes (Note [taken grads] in csrc/cpu/ops.h)."""
+        for entry in self._lists.values():
+            g = entry.group
+            g.grads = []
+            ready = g.cache.pop("ready", None) if g.cache else None
+            if ready is not None:
+                be, b = ready[1]
+                be.finish(b)
 
     def _step(self, groups: list[TensorGroup]) -> None:
         trust_ratio_step(

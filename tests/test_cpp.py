@@ -561,3 +561,27 @@ def test_hyper_fields_come_from_cpp_and_name_hyper_attributes():
         missing = [n for n in fields if n not in names]
         assert not missing, f"{kind}: {missing} are not fields of {cls.__name__}"
         assert "lr" in fields
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_taken_grads_are_released_when_the_step_raises(kind):
+    """Note [taken grads]: the kept bucket of group 0 accepts (and holds) its grads, then group 1
+    is refused; the step raises and group 0's BucketLists lets go of the grads all the same."""
+    import gc
+    import weakref
+
+    a = [torch.nn.Parameter(torch.randn(50)) for _ in range(3)]
+    b = [torch.nn.Parameter(torch.randn(7))]
+    opt = _opt(kind, [{"params": a}, {"params": b}])
+    for step in range(2):
+        _set_grads(a + b, step)
+        opt.step()
+    assert _handle(opt, 0) is not None
+    _set_grads(a + b, 2)
+    opt.param_groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError, match="param group 1: Invalid lr"):
+        opt.step()
+    refs = [weakref.ref(p.grad) for p in a]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs), "a refused step kept the grads alive"

@@ -813,12 +813,49 @@ bool BucketLists::grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_d
 bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
   checked_by_accepts_ = false;
+  taken_.clear();
   if (grads.size() != weights_.size()) return false;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grad_fits(grads[i], i, grad_dtype)) return false;
   }
   checked_by_accepts_ = static_lists_unchanged();
+  if (checked_by_accepts_) taken_ = grads;  // Note [taken grads]
   return checked_by_accepts_;
+}
+
+// Note [taken grads]: a copy of the held vector (reference counts, no Python) under the mutex,
+// then the method of the same name without the suffix.
+at::Tensor BucketLists::lamb_pass1_taken(const std::vector<double>& hyper,
+                                         const std::optional<at::Tensor>& grad_mult,
+                                         const std::optional<at::Tensor>& found_inf) {
+  return lamb_pass1(taken(), hyper, grad_mult, found_inf);
+}
+
+at::Tensor BucketLists::lars_pass1_taken(const std::vector<double>& hyper,
+                                         const std::optional<at::Tensor>& grad_mult,
+                                         const std::optional<at::Tensor>& found_inf) {
+  return lars_pass1(taken(), hyper, grad_mult, found_inf);
+}
+
+void BucketLists::lars_pass2_taken(const at::Tensor& sums, const std::vector<double>& hyper,
+                                   const std::optional<at::Tensor>& lr,
+                                   const std::optional<at::Tensor>& grad_mult,
+                                   const std::optional<at::Tensor>& found_inf) {
+  lars_pass2(taken(), sums, hyper, lr, grad_mult, found_inf);
+}
+
+at::Tensor BucketLists::grad_sq_norms_taken() { return sq_norms(taken()); }
+
+std::vector<at::Tensor> BucketLists::taken() const {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
+  TORCH_CHECK(!taken_.empty() || weights_.empty(),
+              "fusedopt cpp backend: no grads taken (accepts() did not accept this step's grads)");
+  return taken_;
+}
+
+void BucketLists::release() {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
+  taken_.clear();
 }
 
 template <typename Run>

@@ -131,6 +131,23 @@ class BucketLists {
   // stepped. One C++ loop instead of a Python pass per property over thousands of tensors.
   bool accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const;
 
+  // Note [taken grads]: the grads of the last accepts() that said yes, held until release(), so
+  // that the passes and the clipping norms of that step use them without turning a Python list
+  // into tensors again (a cost per tensor: docs/performance.md). The step releases them at its
+  // end, also when it raises (Backend.finish): no grad outlives its step here.
+  at::Tensor lamb_pass1_taken(const std::vector<double>& hyper,
+                              const std::optional<at::Tensor>& grad_mult,
+                              const std::optional<at::Tensor>& found_inf);
+  at::Tensor lars_pass1_taken(const std::vector<double>& hyper,
+                              const std::optional<at::Tensor>& grad_mult,
+                              const std::optional<at::Tensor>& found_inf);
+  void lars_pass2_taken(const at::Tensor& sums, const std::vector<double>& hyper,
+                        const std::optional<at::Tensor>& lr,
+                        const std::optional<at::Tensor>& grad_mult,
+                        const std::optional<at::Tensor>& found_inf);
+  at::Tensor grad_sq_norms_taken();  // per-tensor sum of squares of the taken grads
+  void release();
+
   // The operators of the same names with the static lists filled in; grads are this step's.
   at::Tensor lamb_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
                         const std::optional<at::Tensor>& grad_mult,
@@ -147,6 +164,7 @@ class BucketLists {
 
  private:
   bool grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_dtype) const;
+  std::vector<at::Tensor> taken() const;  // a copy of taken_, under the mutex
   std::array<at::TensorList, 6> static_lists() const;
   void recheck();                          // checks every static list, builds checked_
   // Note [checked lists]: the checked lists, looked at again (static_lists_unchanged) unless
@@ -179,6 +197,7 @@ class BucketLists {
   bool checked_by_pass1_ = false;  // pass 2 of this step reuses checked_ unchanged
   // accepts() found the static lists unchanged: the next pass 1 need not look again
   mutable bool checked_by_accepts_ = false;
+  mutable std::vector<at::Tensor> taken_;  // Note [taken grads]
 };
 
 }  // namespace cpu

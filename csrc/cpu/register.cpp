@@ -92,5 +92,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
       .def("lars_pass2", &BucketLists::lars_pass2, py::arg("grads"), py::arg("sums"),
            py::arg("hyper"), py::arg("lr"), py::arg("grad_mult"), py::arg("found_inf"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      // Note [taken grads]: the same with the grads of the last accepts() that said yes
+      .def("lamb_pass1_taken", &BucketLists::lamb_pass1_taken, py::arg("hyper"),
+           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
+      .def("lars_pass1_taken", &BucketLists::lars_pass1_taken, py::arg("hyper"),
+           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
+      .def("lars_pass2_taken", &BucketLists::lars_pass2_taken, py::arg("sums"), py::arg("hyper"),
+           py::arg("lr"), py::arg("grad_mult"), py::arg("found_inf"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("grad_sq_norms_taken", &BucketLists::grad_sq_norms_taken,
+           py::call_guard<py::gil_scoped_release>())
+      .def("release", &BucketLists::release, py::call_guard<py::gil_scoped_release>());
 }

@@ -80,6 +80,10 @@ class Backend:
                 and set(map(_DTYPE, ps)) == {b.param_dtype}
                 and all(list(map(_SHAPE, xs)) == shapes for xs in states))
 
+    def finish(self, b: Bucket) -> None:
+        """Called once ``b``'s step is over, also when it raised: let go of what the step held
+        (the cpp backend's taken grads)."""
+
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf) -> torch.Tensor:
         raise NotImplementedError
 

@@ -140,13 +140,36 @@ class CppBackend(Backend):
         lists = self._static_lists(b)
         if lists is None:
             return super().accepts_grads(b, grad_dtype)
-        return lists.accepts(b.grads, grad_dtype)  # dtype, layout, numel and strides, in C++
+        # dtype, layout, numel and strides, in C++; the grads accepted are held there for this
+        # step (Note [taken grads] in csrc/cpu/ops.h) until finish()
+        if not lists.accepts(b.grads, grad_dtype):
+            return False
+        b.scratch["taken"] = lists
+        return True
+
+    def _taken(self, b: Bucket):
+        """The BucketLists holding this step's grads, or None (Note [taken grads])."""
+        lists = b.scratch.get("taken")
+        return None if lists is None or torch.compiler.is_compiling() else lists
+
+    def grad_sq_norms(self, b: Bucket):
+        lists = self._taken(b)
+        if lists is not None:
+            return lists.grad_sq_norms_taken()
+        return super().grad_sq_norms(b)
+
+    def finish(self, b: Bucket) -> None:
+        lists = b.scratch.pop("taken", None)
+        if lists is not None:
+            lists.release()
 
     # ----------------------------------------------------------------- LAMB
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
         hyper, _ = _hyper_args(h, self.fields["lamb"], b.device)
         lists = self._static_lists(b)
         if lists is not None:
+            if self._taken(b) is lists:
+                return lists.lamb_pass1_taken(hyper, grad_mult, found_inf)
             return lists.lamb_pass1(b.grads, hyper, grad_mult, found_inf)
         return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, hyper,
                                     grad_mult, found_inf)
@@ -164,6 +187,8 @@ class CppBackend(Backend):
         hyper, _ = _hyper_args(h, self.fields["lars"], b.device)
         lists = self._static_lists(b)
         if lists is not None:
+            if self._taken(b) is lists:
+                return lists.lars_pass1_taken(hyper, grad_mult, found_inf)
             return lists.lars_pass1(b.grads, hyper, grad_mult, found_inf)
         return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)
 
@@ -171,6 +196,8 @@ class CppBackend(Backend):
         hyper, lr = _hyper_args(h, self.fields["lars"], b.device)
         lists = self._static_lists(b)
         if lists is not None:
+            if self._taken(b) is lists:
+                return lists.lars_pass2_taken(sums, hyper, lr, grad_mult, found_inf)
             return lists.lars_pass2(b.grads, sums, hyper, lr, grad_mult, found_inf)
         self._ops.lars_pass2(b.weights, _low_precision_params(b), b.grads, b.momentum_buffers,
                              b.steps, sums, hyper, lr, grad_mult, found_inf)
