@@ -484,7 +484,9 @@ class FusedLAMB(_TrustRatioOptimizer):
             back rounded to nearest even; trust-ratio norms use the master.
         capturable: accepted for drop-in compatibility with torch optimizers. fusedopt steps are
             always capturable in a CUDA graph: step counts live on the param's device, ``lr`` may
-            be a tensor, and ``step()`` never reads a tensor value on the host.
+            be a tensor, and ``step()`` reads no tensor value on the host (a tensor ``lr`` is
+            read once when it is new to its group: at construction, or at the first step after
+            it was assigned; take that step before capturing).
         skip_nonfinite: a step whose gradients hold inf or nan changes nothing (params, every
             state tensor, step counts), decided on the device without a host read, from the
             clipping total when ``max_grad_norm`` is set and from one fused read of the grads
