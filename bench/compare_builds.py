@@ -6,9 +6,7 @@ Each tree must hold a built extension (``python setup.py build_ext --inplace`` i
 runs one process per tree, in turn, so that a machine whose speed drifts slows both alike; each
 process times ``--steps`` steps of each case after warm-up and prints its median. The table gives
 each case's median over the rounds and the ratio NEW / OLD with the range of the per-round ratios.
-With ``--compiled`` the NEW tree also times ``torch.compile``d steps of the BERT-base cases against
-its own uncompiled ones in the same process (inductor had not finished compiling a step over 4000
-tensors after six minutes on our CPU machine).
+A compiled step's cost is measured by ``bench/compiled_step.py``.
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ import torch
 import fusedopt
 from fusedopt.bench import bert_base_shapes
 torch.manual_seed(0)
-cases, steps, compiled = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+cases, steps = json.loads(sys.argv[1]), int(sys.argv[2])
 out = {"file": fusedopt.__file__}
 
 
@@ -58,20 +56,14 @@ for name, (kind, shapes_name, flat) in cases.items():
     for _ in range(3):
         opt.step()
     out[name] = timed(opt.step, steps)
-    if compiled and shapes_name == "bert":  # see the module docstring
-        step = torch.compile(opt.step)
-        for _ in range(3):
-            step()
-        out[name + " (compiled)"] = timed(step, steps)
 print("RESULT " + json.dumps(out))
 '''
 
 
-def run(tree: str, cases: dict, steps: int, compiled: bool) -> dict:
+def run(tree: str, cases: dict, steps: int) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
-    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), str(steps),
-                          "1" if compiled else "0"], env=env, capture_output=True, text=True,
-                         check=True, cwd=tree)
+    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), str(steps)], env=env,
+                         capture_output=True, text=True, check=True, cwd=tree)
     line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
     out = json.loads(line[len("RESULT "):])
     if not out.pop("file").startswith(os.path.abspath(tree)):
@@ -85,12 +77,11 @@ def main() -> None:
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--compiled", action="store_true")
     args = ap.parse_args()
     old, new = [], []
     for r in range(args.rounds):
-        old.append(run(args.old, CASES, args.steps, False))
-        new.append(run(args.new, CASES, args.steps, args.compiled))
+        old.append(run(args.old, CASES, args.steps))
+        new.append(run(args.new, CASES, args.steps))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(f"| case | old ms/step | new ms/step | new / old (range over rounds) |")
     print("|---|---|---|---|")
@@ -99,14 +90,6 @@ def main() -> None:
         n = statistics.median(x[name] for x in new)
         ratios = [b[name] / a[name] for a, b in zip(old, new)]
         print(f"| {name} | {o:.2f} | {n:.2f} | {n / o:.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |")
-    if args.compiled:
-        print("\n| case (new tree) | uncompiled ms/step | compiled ms/step | compiled / uncompiled |")
-        print("|---|---|---|---|")
-        for name in (n for n in CASES if n + " (compiled)" in new[0]):
-            u = statistics.median(x[name] for x in new)
-            c = statistics.median(x[name + " (compiled)"] for x in new)
-            print(f"| {name} | {u:.2f} | {c:.2f} | {c / u:.3f} |")
-
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,8 @@ def _gathering(opt):
     fusedopt/optim.py) with this step's grads, and the check that its kept bucket takes them."""
     def run():
         for gi, group in enumerate(opt.param_groups):
-            opt._group(gi, group).grads = []
+            opt._group(gi, group)
+        opt._let_go()  # as step() does at its end
     return run
 
 
@@ -41,7 +42,11 @@ def _passes(opt, kind):
     plan = []
     for gi, group in enumerate(opt.param_groups):
         g = opt._group(gi, group)
-        plan.append((g.hyper, _buckets(kind, gi, g)))
+        entries = _buckets(kind, gi, g)
+        for _, b in entries:  # the passes take the grads as an argument (no held grads)
+            b.scratch.pop("taken", None)
+        plan.append((g.hyper, entries))
+    opt._let_go()
 
     def run():
         for h, entries in plan:
