@@ -640,27 +640,14 @@ void run_lars_pass2(const CheckedLists& d, const std::vector<const void*>& grads
 
 // ------------------------------------------------------------------------------------- ops
 
-at::Tensor sq_norms(at::TensorList tensors) {
-  const int64_t n = static_cast<int64_t>(tensors.size());
-  bool any_double = false;
-  std::vector<at::Tensor> dense(tensors.begin(), tensors.end());
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(dense[i].device().is_cpu(), "fusedopt cpp backend: sq_norms got a tensor on ",
-                dense[i].device(), "; it runs on CPU tensors only");
-    any_double |= dense[i].scalar_type() == at::kDouble;
-    // A dense tensor's elements fill [data_ptr, data_ptr + numel) in some order; others are
-    // copied (never the case for the buckets of an optimizer step).
-    if (!dense[i].is_non_overlapping_and_dense()) dense[i] = dense[i].contiguous();
-  }
-  const ChunkTable table(numels(dense));
+namespace {
+
+// Per-tensor Σx² of the tensors at ptrs (dtypes[i]) over the chunks of table: float64 when
+// any_double, else float32.
+at::Tensor sq_norms_over(const ChunkTable& table, const std::vector<at::ScalarType>& dtypes,
+                         const std::vector<const void*>& ptrs, bool any_double) {
+  const int64_t n = static_cast<int64_t>(ptrs.size());
   std::vector<double> partial(table.size());
-  std::vector<at::ScalarType> dtypes(n);
-  std::vector<const void*> ptrs(n);
-  for (int64_t i = 0; i < n; ++i) {
-    dtypes[i] = dense[i].scalar_type();
-    ptrs[i] = dense[i].const_data_ptr();
-    dispatch_storage(dtypes[i], "sq_norms inputs", [](auto) {});  // rejects other dtypes
-  }
   table.parallel_for([&](int64_t c, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
     const void* next = nullptr;  // Note [read-only prefetch]
     int64_t next_bytes = 0;
@@ -678,6 +665,30 @@ at::Tensor sq_norms(at::TensorList tensors) {
     reduce_partials<float, 1>(table, partial, out.data_ptr<float>(), n);
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor sq_norms(at::TensorList tensors) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  bool any_double = false;
+  std::vector<at::Tensor> dense(tensors.begin(), tensors.end());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(dense[i].device().is_cpu(), "fusedopt cpp backend: sq_norms got a tensor on ",
+                dense[i].device(), "; it runs on CPU tensors only");
+    any_double |= dense[i].scalar_type() == at::kDouble;
+    // A dense tensor's elements fill [data_ptr, data_ptr + numel) in some order; others are
+    // copied (never the case for the buckets of an optimizer step).
+    if (!dense[i].is_non_overlapping_and_dense()) dense[i] = dense[i].contiguous();
+  }
+  std::vector<at::ScalarType> dtypes(n);
+  std::vector<const void*> ptrs(n);
+  for (int64_t i = 0; i < n; ++i) {
+    dtypes[i] = dense[i].scalar_type();
+    ptrs[i] = dense[i].const_data_ptr();
+    dispatch_storage(dtypes[i], "sq_norms inputs", [](auto) {});  // rejects other dtypes
+  }
+  return sq_norms_over(ChunkTable(numels(dense)), dtypes, ptrs, any_double);
 }
 
 at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
@@ -844,7 +855,16 @@ void BucketLists::lars_pass2_taken(const at::Tensor& sums, const std::vector<dou
   lars_pass2(taken(), sums, hyper, lr, grad_mult, found_inf);
 }
 
-at::Tensor BucketLists::grad_sq_norms_taken() { return sq_norms(taken()); }
+// The taken grads have the weights' numels (accepts), so the checked chunk table serves them.
+at::Tensor BucketLists::grad_sq_norms_taken() {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
+  TORCH_CHECK(checked_by_accepts_ && taken_.size() == weights_.size(),
+              "fusedopt cpp backend: no grads taken (accepts() did not accept this step's grads)");
+  if (taken_.empty()) return at::zeros({0}, at::dtype(at::kFloat));
+  const at::ScalarType g_dtype = taken_[0].scalar_type();
+  const std::vector<at::ScalarType> dtypes(taken_.size(), g_dtype);
+  return sq_norms_over(checked_->table, dtypes, const_data_ptrs(taken_), g_dtype == at::kDouble);
+}
 
 std::vector<at::Tensor> BucketLists::taken() const {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
