@@ -83,7 +83,7 @@ def main() -> None:
         old.append(run(args.old, CASES, args.steps))
         new.append(run(args.new, CASES, args.steps))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"| case | old ms/step | new ms/step | new / old (range over rounds) |")
+    print("| case | old ms/step | new ms/step | new / old (range over rounds) |")
     print("|---|---|---|---|")
     for name in CASES:
         o = statistics.median(x[name] for x in old)

@@ -27,12 +27,12 @@ def bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Bucket:
-    """Tensors of one param group that share device, param dtype and grad dtype.
+class TensorLists:
+    """Aligned lists of one group's tensors: entry ``i`` of each belongs to ``params[i]``.
 
-    ``params`` are the stored parameters (the local shard for DTensors); when ``masters`` is given
-    the math reads and writes the fp32 masters and ``params`` receive the result rounded to
-    nearest even. State lists are None when the optimizer does not use them.
+    ``params`` are the stored parameters (the local shard for DTensors); ``masters`` holds the
+    fp32 master weight of each bf16/fp16 param (None: no masters). ``exp_avgs``/``exp_avg_sqs``
+    are LAMB's state, ``momentum_buffers`` LARS's; a list the optimizer does not use is None.
     """
 
     params: list[torch.Tensor]
@@ -42,9 +42,17 @@ class Bucket:
     exp_avg_sqs: list[torch.Tensor] | None = None
     momentum_buffers: list[torch.Tensor] | None = None
     masters: list[torch.Tensor] | None = None
-    # the params of the rows as the caller holds them (DTensors kept): what a cross-rank reducer
-    # reads the sharding of (fusedopt.distributed)
+    # the params as the caller holds them when ``params`` are their local shards (DTensors kept):
+    # what a cross-rank reducer reads the sharding of (fusedopt.distributed)
     sources: list[torch.Tensor] | None = None
+
+
+@dataclass
+class Bucket(TensorLists):
+    """The rows of one param group that share device, param dtype and grad dtype: the unit of
+    work of a backend. When ``masters`` is given the math reads and writes the fp32 masters and
+    ``params`` receive the result rounded to nearest even."""
+
     # (original, contiguous stand-in) pairs written back after pass 2, for strided tensors
     writeback: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # backend-private data carried from pass 1 to pass 2 (e.g. eager's update direction)

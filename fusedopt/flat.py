@@ -4,12 +4,10 @@ Note [flat params]: a fused step streams every tensor of a bucket once per pass,
 tensors' places in memory matter when they are small. ``nn.Module`` and autograd allocate each
 param and each grad on its own; glibc puts 10 KB allocations one after the other, but with a few
 hundred bytes between them (allocator headers, alignment, freed temporaries), and a stream that
-jumps at every tensor boundary loses the hardware prefetcher. On our 2-core CPU machine, 4000
-params of 2,500 elements (same rounds, ``python -m fusedopt.bench``, five runs): a cpp LAMB step
-took 1.2-1.4x as long as on the same params and grads as slices of two buffers, LARS 1.4-1.8x. Slices of one buffer
-with the heap's gaps left in (~6%) were nearly as slow as separate allocations, with 23% gaps
-slower still, and prefetching each tensor's first bytes by software while the tensor before it
-ran only added time: contiguous streams are what helps. The optimizer's own state is already flat
+jumps at every tensor boundary loses the hardware prefetcher. Contiguous streams are what helps:
+slices of one buffer with the heap's gaps left in were nearly as slow as separate allocations,
+and prefetching each tensor's first bytes by software only added time (docs/performance.md,
+"Many small tensors"). The optimizer's own state is already flat
 (Note [flat state] in ``fusedopt/optim.py``); this module does the same for the params and grads.
 It is opt-in because it changes where the user's tensors live: every ``p.data`` becomes a slice
 of a shared buffer, and grads stay allocated between steps.

@@ -24,13 +24,13 @@ into one graph: the fused backends are ``torch.ops.fusedopt`` operators with fak
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import torch
 
 from . import backends as _backends
-from ._bucket import Bucket, bias_correction, compute_dtype
+from ._bucket import Bucket, TensorLists, bias_correction, compute_dtype
 from ._hyper import (LambHyper, LarsHyper, check_backend_name, check_representable, lamb_hyper,
                      lars_hyper, validate_lamb_group, validate_lars_group)
 from .flat import _dense_layout
@@ -40,31 +40,23 @@ __all__ = ["Bucket", "SqSumReducer", "TensorGroup", "bias_correction", "compute_
 
 
 @dataclass
-class TensorGroup:
-    """One group of tensors stepped with one set of hyper-parameters.
+class TensorGroup(TensorLists):
+    """One group of tensors (the lists of :class:`TensorLists`, where ``masters`` may hold None
+    entries for params that are their own weight) stepped with one set of hyper-parameters."""
 
-    The lists are aligned: entry ``i`` of each belongs to ``params[i]``. ``masters`` holds the
-    fp32 master weight of each param, or None where the param is its own weight (None as a whole:
-    no masters). ``exp_avgs``/``exp_avg_sqs`` are LAMB's, ``momentum_buffers`` LARS's.
-    """
-
-    hyper: LambHyper | LarsHyper
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor]
-    steps: list[torch.Tensor]
-    exp_avgs: list[torch.Tensor] | None = None
-    exp_avg_sqs: list[torch.Tensor] | None = None
-    momentum_buffers: list[torch.Tensor] | None = None
-    masters: list[torch.Tensor | None] | None = None
+    hyper: LambHyper | LarsHyper = field(kw_only=True)
     # a backend name of fusedopt.backends.resolve, or a Backend object used as it is
     backend: str | _backends.Backend = "auto"
-    # params as the caller holds them when ``params`` are their local shards (DTensors)
-    sources: list[torch.Tensor] | None = None
     # Note [list cache] in fusedopt/optim.py: a dict the caller keeps while it passes these very
     # list objects again; the step keeps its buckets there. None: build them every call
     cache: dict | None = None
     # a dict per group that lives as long as the caller (backend tables, Bucket.workspace)
     workspaces: dict | None = None
+
+
+# the names of the lists of TensorLists (dataclasses.fields on the class does not trace under
+# torch.compile; a tuple of names does)
+_LIST_FIELDS = tuple(f.name for f in dataclasses.fields(TensorLists))
 
 
 class SqSumReducer(Protocol):
@@ -184,22 +176,17 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int], key) -> Bucket:
     def pick(xs):
         return None if xs is None else [xs[i] for i in idx]
 
-    masters = pick(g.masters)
+    masters = pick(g.masters)  # None entries: params without masters
     if masters is not None and any(m is None for m in masters):
         if not all(m is None for m in masters):
             raise RuntimeError("fusedopt: params of one dtype must all have masters or none")
         masters = None
-    b = Bucket(params=pick(g.params), grads=pick(g.grads), steps=pick(g.steps),
-               exp_avgs=pick(g.exp_avgs), exp_avg_sqs=pick(g.exp_avg_sqs),
-               momentum_buffers=pick(g.momentum_buffers), masters=masters, sources=pick(g.sources),
+    lists = {name: pick(getattr(g, name)) for name in _LIST_FIELDS}
+    b = Bucket(**{**lists, "masters": masters},
                requested_backend=getattr(g.backend, "name", g.backend))
     _check_bucket(kind, gi, b)
     if g.workspaces is not None:
         b.workspace = g.workspaces.setdefault(key, {})
-    for i, (p, gr) in enumerate(zip(b.params, b.grads)):
-        if gr.numel() == 0 and gr.stride() != p.stride():
-            # nothing to read, but the fused backends compare strides: an empty stand-in
-            b.grads[i] = torch.empty_strided(p.shape, p.stride(), dtype=gr.dtype, device=gr.device)
     rows = [b.params, b.grads] + [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers,
                                                  b.masters) if xs is not None]
     if all(x.is_contiguous() for xs in rows for x in xs):
@@ -454,16 +441,10 @@ def lamb(
                 bias_correction=bias_correction, grad_averaging=grad_averaging,
                 max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
                 decoupled_weight_decay=decoupled_weight_decay, adapt=adapt)
-    validate_lamb_group(opts)
-    check_backend_name(backend)
-    params = list(params)
-    g = TensorGroup(lamb_hyper(opts), params, list(grads), list(steps), exp_avgs=list(exp_avgs),
-                    exp_avg_sqs=list(exp_avg_sqs), masters=_masters_list(masters, len(params)),
-                    backend=backend)
-    _check_lengths(g)
-    trust_ratio_step("lamb", [g], grad_scale=grad_scale, found_inf=found_inf,
-                     skip_nonfinite=skip_nonfinite, skipped_steps=skipped_steps)
-
+    _one_group("lamb", opts, params, grads, steps, masters, backend,
+               dict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs),
+               dict(grad_scale=grad_scale, found_inf=found_inf, skip_nonfinite=skip_nonfinite,
+                    skipped_steps=skipped_steps))
 
 @torch.no_grad()
 def lars(
@@ -497,16 +478,23 @@ def lars(
                 trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                 dampening=dampening, trust_clip=trust_clip, denominator=denominator,
                 lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt)
-    validate_lars_group(opts)
+    _one_group("lars", opts, params, grads, steps, masters, backend,
+               dict(momentum_buffers=momentum_buffers),
+               dict(grad_scale=grad_scale, found_inf=found_inf, skip_nonfinite=skip_nonfinite,
+                    skipped_steps=skipped_steps))
+
+
+def _one_group(kind: str, opts: dict, params, grads, steps, masters, backend, state: dict,
+               step_args: dict) -> None:
+    """:func:`lamb` / :func:`lars`: the options checked, one TensorGroup, one step."""
+    (validate_lamb_group if kind == "lamb" else validate_lars_group)(opts)
     check_backend_name(backend)
     params = list(params)
-    g = TensorGroup(lars_hyper(opts), params, list(grads), list(steps),
-                    momentum_buffers=list(momentum_buffers),
-                    masters=_masters_list(masters, len(params)), backend=backend)
+    g = TensorGroup(params, list(grads), list(steps), masters=_masters_list(masters, len(params)),
+                    hyper=(lamb_hyper if kind == "lamb" else lars_hyper)(opts), backend=backend,
+                    **{key: list(xs) for key, xs in state.items()})
     _check_lengths(g)
-    trust_ratio_step("lars", [g], grad_scale=grad_scale, found_inf=found_inf,
-                     skip_nonfinite=skip_nonfinite, skipped_steps=skipped_steps)
-
+    trust_ratio_step(kind, [g], **step_args)
 
 def _check_lengths(g: TensorGroup) -> None:
     n = len(g.params)

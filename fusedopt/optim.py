@@ -329,16 +329,7 @@ class _TrustRatioOptimizer(Optimizer):
                 return g
             # the kept bucket refused (a param changed dtype or shape in place): gather again,
             # which checks everything and names what is wrong
-        lists: tuple[list, ...] = ([], [], [], [], [], [], [], [])
-        sharded = self._init_group(group, *lists)
-        params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists
-        g = TensorGroup(self._hyper(group), params, grads, steps,
-                        exp_avgs=exp_avgs if self._kind == "lamb" else None,
-                        exp_avg_sqs=exp_avg_sqs if self._kind == "lamb" else None,
-                        momentum_buffers=momentum_buffers if self._kind == "lars" else None,
-                        masters=masters if any(m is not None for m in masters) else None,
-                        backend=group["backend"], sources=sources if sharded else None,
-                        cache={}, workspaces=self._workspaces.setdefault(gi, {}))
+        g = self._gather(group, cache={}, workspaces=self._workspaces.setdefault(gi, {}))
         self._lists[gi] = _Lists(self.state.edits, all_ps, tuple(all_ps), options, with_grad, g)
         return g
 
@@ -346,18 +337,21 @@ class _TrustRatioOptimizer(Optimizer):
         groups = []
         for gi, group in enumerate(self.param_groups):
             self._named(gi, self._check_options, group)
-            params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = (
-                [], [], [], [], [], [], [], [])
-            self._init_group(group, params, grads, steps, exp_avgs, exp_avg_sqs,
-                             momentum_buffers, masters, sources)
-            lamb = self._kind == "lamb"
-            groups.append(TensorGroup(
-                self._hyper(group), params, grads, steps,
-                exp_avgs=exp_avgs if lamb else None, exp_avg_sqs=exp_avg_sqs if lamb else None,
-                momentum_buffers=None if lamb else momentum_buffers,
-                masters=masters if any(m is not None for m in masters) else None,
-                backend=group["backend"], sources=sources or None))
+            groups.append(self._gather(group))
         return groups
+
+    def _gather(self, group: dict[str, Any], **kw) -> TensorGroup:
+        """The group's lists from :meth:`_init_group` as a TensorGroup (``kw``: its cache)."""
+        params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists = (
+            [], [], [], [], [], [], [], [])
+        sharded = self._init_group(group, *lists)
+        lamb = self._kind == "lamb"
+        return TensorGroup(
+            params, grads, steps, hyper=self._hyper(group),
+            exp_avgs=exp_avgs if lamb else None, exp_avg_sqs=exp_avg_sqs if lamb else None,
+            momentum_buffers=None if lamb else momentum_buffers,
+            masters=masters if any(m is not None for m in masters) else None,
+            backend=group["backend"], sources=sources if sharded else None, **kw)
 
     def _step_reducer(self, groups: list[TensorGroup]):
         if self._reducer is not None:

@@ -69,3 +69,23 @@ def test_large_tensor_norms_and_update_match_the_reference(kind, numel):
         # rounding to the other side (and a weight crossing a power of two) gives up to 2; the
         # norm error before chunking moved LAMB's weights by hundreds of ulps at 16M
         assert worst <= 2.0, f"weights differ from the rounded reference by {worst:.3g} ulp"
+
+
+def test_chunk_index_is_built_once_per_bucket(monkeypatch):
+    """Note [chunked norms]: the chunk-to-tensor index lives in the bucket's workspace, so a
+    steady step makes no host-to-device copy for it."""
+    import fusedopt
+    from fusedopt.backends import eager
+
+    params = [torch.nn.Parameter(torch.randn(40_000)), torch.nn.Parameter(torch.randn(5))]
+    opt = fusedopt.FusedLAMB(params, backend="eager", max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    built = []
+    real = torch.repeat_interleave
+    monkeypatch.setattr(eager.torch, "repeat_interleave",
+                        lambda *a, **k: built.append(1) or real(*a, **k))
+    opt.step()
+    opt.step()
+    assert not built, "the chunk index was built again in a steady step"

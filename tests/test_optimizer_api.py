@@ -3,7 +3,6 @@ import ast
 import copy
 import inspect
 import io
-import re
 from pathlib import Path
 
 import pytest

@@ -240,7 +240,7 @@ def record(select: str = "pairs") -> dict:
                 lists, workspaces = buckets[key]
                 h = dataclasses.replace(base, **{n[2:]: v for n, v in x.items()
                                                  if n.startswith("h.")})
-                g = functional.TensorGroup(h, **lists, backend=be, workspaces=workspaces)
+                g = functional.TensorGroup(**lists, hyper=h, backend=be, workspaces=workspaces)
                 gs, fi = x["grad_scale"], x["found_inf"]
                 functional.trust_ratio_step(
                     kind, [g],

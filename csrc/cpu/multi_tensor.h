@@ -22,8 +22,8 @@
 // is contracted into an FMA (setup.py builds with -ffp-contract=off, since the AVX-512 target
 // implies FMA), every operation is an IEEE-rounded add/mul/div/sqrt in the same order, and the
 // reductions use fixed lanes. AVX-512 mostly speeds up the passes that reduce
-// (LAMB pass 1 and LARS pass 1 ran ~1.5x faster from cache, ~10% faster from memory, on a 2-core
-// Xeon); division and square root cost the same per element at either width.
+// (LAMB pass 1 and LARS pass 1; docs/performance.md); division and square root cost the same per
+// element at either width.
 // FUSEDOPT_CPU_ISA=baseline or =avx2 in the environment caps the clone (for tests).
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define FUSEDOPT_ISA_CLONES 1
@@ -67,10 +67,9 @@ constexpr int kLanes = 32;
 // Note [read-only prefetch]: the passes that only read (LARS pass 1, sq_norms) prefetch each stream
 // kPrefetchBytes ahead, one block at a time, across the end of a chunk into the next chunk
 // (ChunkTable::next: the next tensor's first bytes; without that each small tensor began with
-// 2 KB not prefetched, and a LARS step over 4000 tensors of 2,500 elements took 3-4% longer,
-// alternating processes). With no stores to overlap, hardware prefetching alone left such passes at ~13 GB/s on a 2-core machine where in-place passes reach ~35 GB/s;
-// software prefetch brought LARS pass 1 to ~20 GB/s. The passes that write do not prefetch: it
-// slowed them down there.
+// 2 KB not prefetched). With no stores to overlap, hardware prefetching alone leaves such passes
+// well below the in-place passes' bandwidth. The passes that write do not prefetch: it slowed them
+// down (docs/performance.md, "Measurements behind the Notes").
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Prefetches (for reading) the cache lines of elements [k, k + kBlock) of x shifted by

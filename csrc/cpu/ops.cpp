@@ -131,8 +131,7 @@ LarsHyper lars_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr
 // backward that a step modified). Inference tensors have no counter. A skipped step (found_inf)
 // writes nothing and bumps nothing. The bumps run in one loop before the pass's parallel region:
 // bumped inside the region, in the first chunk of each tensor, each atomic increment had to wait
-// for the chunk loop's pending stores, and pass 1 of a LAMB step over 4000 tensors of 2,500
-// elements took ~1.4 ms longer (12,000 bumps; ~0.15 ms in a loop of their own).
+// for the chunk loop's pending stores (docs/performance.md, "Measurements behind the Notes").
 void bump_versions(std::initializer_list<at::TensorList> lists) {
   for (at::TensorList ts : lists) {
     for (const at::Tensor& t : ts) {
@@ -380,10 +379,9 @@ std::vector<const void*> const_data_ptrs(at::TensorList ts) {
 // (`p.data = ...`, `model.to(memory_format=...)`, `share_memory_()`, a lazy clone) checks them
 // all again on one thread as the operators do, raising their errors, and rebuilds. The look is
 // shared by the threads (tensor ranges, above kTensorGrain tensors), and pass 2 reuses what pass 1
-// of the same step checked. The grads, new every step, are checked in every pass. Checking each list in each pass had cost
-// ~1.7 µs per tensor and step; a LAMB step on 4000 one-element tensors went from 8.9–10.6 ms to
-// 5.6–7.0 ms, on 4000 x 2,500 elements from 29–31 ms to 25–26 ms (alternating runs, one loaded
-// 2-core machine).
+// of the same step checked. The grads, new every step, are checked in every pass.
+// Checking each list in each pass cost a few microseconds per tensor and step (docs/performance.md,
+// "Measurements behind the Notes").
 struct CheckedLists {
   at::ScalarType weight_dtype = at::kFloat;
   at::ScalarType param_dtype = at::kFloat;  // of params, when there are
@@ -410,8 +408,8 @@ struct CheckedLists {
 // Note [prefetched metadata]: a loop over thousands of tensors' metadata (TensorImpl, ~4 cache
 // lines, and its StorageImpl, each a separate heap object) waits on a cache miss per object; the
 // loops that run every step prefetch the objects of tensor j + kAheadImpl (and the StorageImpl of
-// tensor j + kAheadStorage, whose TensorImpl came in before) while looking at tensor j. On 4000
-// one-element tensors a LAMB step ran ~7% faster (medians of 5 alternating runs).
+// tensor j + kAheadStorage, whose TensorImpl came in before) while looking at tensor j
+// (docs/performance.md, "Measurements behind the Notes").
 constexpr size_t kAheadImpl = 16;
 constexpr size_t kAheadStorage = 8;
 

@@ -20,7 +20,7 @@ fusedopt/optim.py) can take this step's grads; ``grad_sq_norms`` gives the grads
 from __future__ import annotations
 
 import importlib
-from operator import attrgetter, eq, methodcaller
+from operator import attrgetter, methodcaller
 from typing import TYPE_CHECKING
 
 import torch

@@ -61,20 +61,34 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
-def _sq(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Per-tensor Σx² as ``dtype``, ``[n]`` (Note [chunked norms])."""
+def _sq(tensors: list[torch.Tensor], dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
+    """Per-tensor Σx² as ``dtype``, ``[n]`` (Note [chunked norms]). ``cache`` (a bucket's
+    workspace) keeps the chunk-to-tensor index on the device between steps: built once, it is no
+    host-to-device copy inside a step (nor inside a captured CUDA graph)."""
     if not tensors:
         return torch.zeros(0, dtype=dtype)
     if all(t.numel() <= _NORM_CHUNK for t in tensors):
         return torch.stack(torch._foreach_norm(tensors, 2, dtype)).square()
-    parts, owner = [], []
-    for i, t in enumerate(tensors):
+    parts, counts = [], []
+    for t in tensors:
         chunks = _flat(t).split(_NORM_CHUNK) if t.numel() > _NORM_CHUNK else (t,)
         parts.extend(chunks)
-        owner.extend([i] * len(chunks))
+        counts.append(len(chunks))
     sq = torch.stack(torch._foreach_norm(parts, 2, dtype)).to(torch.float64).square()
+    owners = {} if cache is None else cache.setdefault("eager chunk owners", {})
+    key = (sq.device, tuple(counts))
+    owner = owners.get(key)
+    if owner is None:
+        if len(owners) >= 4:  # the lists of one bucket: w, u or g, grads
+            owners.clear()
+        owner = owners[key] = torch.repeat_interleave(
+            torch.arange(len(counts)), torch.tensor(counts)).to(sq.device)
     out = torch.zeros(len(tensors), dtype=torch.float64, device=sq.device)
-    return out.index_add_(0, torch.tensor(owner, device=sq.device), sq).to(dtype)
+    return out.index_add_(0, owner, sq).to(dtype)
+
+
+def _sq_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    return torch.float64 if tensors and tensors[0].dtype == torch.float64 else torch.float32
 
 
 def _new_steps(b: Bucket, found_inf) -> torch.Tensor:
@@ -118,9 +132,12 @@ class EagerBackend(Backend):
     def unavailable_reason(self, device, param_dtype, grad_dtype):
         return None
 
+    def grad_sq_norms(self, b: Bucket) -> torch.Tensor:
+        return _sq(b.grads, _sq_dtype(b.grads), b.workspace)
+
     def sq_norms(self, tensors):
-        dtype = torch.float64 if tensors and tensors[0].dtype == torch.float64 else torch.float32
-        return _sq(list(tensors), dtype)
+        tensors = list(tensors)
+        return _sq(tensors, _sq_dtype(tensors))
 
     # ----------------------------------------------------------------- LAMB
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
@@ -146,7 +163,7 @@ class EagerBackend(Backend):
         if h.lambda_in_u != 0:
             torch._foreach_add_(u, w, alpha=h.lambda_in_u)
         b.scratch.update(t=t, w=w, u=u, m=m, v=v)
-        return torch.stack([_sq(w, cd), _sq(u, cd)], dim=1)
+        return torch.stack([_sq(w, cd, b.workspace), _sq(u, cd, b.workspace)], dim=1)
 
     def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
         s = b.scratch
@@ -170,7 +187,8 @@ class EagerBackend(Backend):
         g = _compute_grads(b, grad_mult)
         d = torch._foreach_add(g, w, alpha=h.weight_decay) if h.weight_decay != 0 else g
         b.scratch.update(t=t, w=w, d=d)
-        return torch.stack([_sq(w, cd), _sq(d if h.combined else g, cd)], dim=1)
+        return torch.stack([_sq(w, cd, b.workspace), _sq(d if h.combined else g, cd, b.workspace)],
+                           dim=1)
 
     def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
         s = b.scratch
