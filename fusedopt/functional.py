@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypedDict, Unpack
 
 import torch
 
@@ -35,7 +35,7 @@ from ._hyper import (LambHyper, LarsHyper, check_backend_name, check_representab
                      lars_hyper, validate_lamb_group, validate_lars_group)
 from .flat import _dense_layout
 
-__all__ = ["Bucket", "SqSumReducer", "TensorGroup", "bias_correction", "compute_dtype", "lamb",
+__all__ = ["Bucket", "SqSumReducer", "StepOptions", "TensorGroup", "bias_correction", "compute_dtype", "lamb",
            "lars", "sq_norms", "trust_ratio_step"]
 
 
@@ -401,6 +401,15 @@ def _masters_list(masters, n):
     return masters
 
 
+class StepOptions(TypedDict, total=False):
+    """Keywords that :func:`lamb` and :func:`lars` pass on to :func:`trust_ratio_step`."""
+
+    grad_scale: torch.Tensor | None  # GradScaler's scale: grads are unscaled as they are read
+    found_inf: torch.Tensor | None  # nonzero: the step changes nothing
+    skip_nonfinite: bool  # a step whose grads hold inf or NaN changes nothing (default False)
+    skipped_steps: torch.Tensor | None  # counts the steps skip_nonfinite skipped
+
+
 @torch.no_grad()
 def lamb(
     params: Sequence[torch.Tensor],
@@ -420,18 +429,16 @@ def lamb(
     trust_ratio_bounds: tuple[float, float] | None = None,
     decoupled_weight_decay: bool = False,
     adapt: bool = True,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    skip_nonfinite: bool = False,
-    skipped_steps: torch.Tensor | None = None,
     backend: str = "auto",
+    **step: Unpack[StepOptions],
 ) -> None:
     """One LAMB step over lists of tensors, in place (the math of :class:`fusedopt.FusedLAMB`).
 
     ``steps`` are float32 0-dim tensors on each param's device (incremented by the step);
     ``exp_avgs``/``exp_avg_sqs`` are in the compute dtype (float64 for float64 params, else
     float32); ``masters`` optionally gives fp32 master weights of bf16/fp16 params (None entries
-    for params without). Options are those of the class. Example::
+    for params without). Options are those of the class; ``step`` takes the keywords of
+    :class:`StepOptions` (GradScaler's protocol and the non-finite guard). Example::
 
         steps = [torch.zeros(()) for _ in params]
         m = [torch.zeros_like(p) for p in params]; v = [torch.zeros_like(p) for p in params]
@@ -442,9 +449,8 @@ def lamb(
                 max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
                 decoupled_weight_decay=decoupled_weight_decay, adapt=adapt)
     _one_group("lamb", opts, params, grads, steps, masters, backend,
-               dict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs),
-               dict(grad_scale=grad_scale, found_inf=found_inf, skip_nonfinite=skip_nonfinite,
-                    skipped_steps=skipped_steps))
+               dict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs), step)
+
 
 @torch.no_grad()
 def lars(
@@ -466,27 +472,25 @@ def lars(
     lr_in_momentum: bool = True,
     max_grad_norm: float | None = None,
     adapt: bool = True,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    skip_nonfinite: bool = False,
-    skipped_steps: torch.Tensor | None = None,
     backend: str = "auto",
+    **step: Unpack[StepOptions],
 ) -> None:
     """One LARS step over lists of tensors, in place (the math of :class:`fusedopt.FusedLARS`);
-    see :func:`lamb` for ``steps``, ``masters`` and the GradScaler arguments."""
+    see :func:`lamb` for ``steps``, ``masters`` and ``step`` (:class:`StepOptions`)."""
     opts = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                 trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                 dampening=dampening, trust_clip=trust_clip, denominator=denominator,
                 lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt)
     _one_group("lars", opts, params, grads, steps, masters, backend,
-               dict(momentum_buffers=momentum_buffers),
-               dict(grad_scale=grad_scale, found_inf=found_inf, skip_nonfinite=skip_nonfinite,
-                    skipped_steps=skipped_steps))
+               dict(momentum_buffers=momentum_buffers), step)
 
 
 def _one_group(kind: str, opts: dict, params, grads, steps, masters, backend, state: dict,
                step_args: dict) -> None:
     """:func:`lamb` / :func:`lars`: the options checked, one TensorGroup, one step."""
+    unknown = sorted(set(step_args) - set(StepOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"fusedopt.functional.{kind}() got unexpected keyword arguments {unknown}")
     (validate_lamb_group if kind == "lamb" else validate_lars_group)(opts)
     check_backend_name(backend)
     params = list(params)

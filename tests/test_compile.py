@@ -1,7 +1,8 @@
 """``torch.compile`` of ``opt.step()`` and of a whole training step: graph breaks, graphs and
 recompiles counted with dynamo's own counters, against torch's ``Adam(foreach=True,
 capturable=True, lr=tensor)`` run through the same procedure; results against eager mode (bit for
-bit on cpp, within float32 rounding on eager)."""
+bit on cpp and triton, whose compiled graphs call the same kernels through their operators;
+within float32 rounding on eager). Triton runs in its interpreter here (tests/conftest.py)."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,7 @@ import fusedopt
 
 from helpers import backend_params
 
-BACKENDS = backend_params(("eager", "cpp"))
+BACKENDS = backend_params(("eager", "cpp", "triton"))
 
 STEPS = 8
 
@@ -111,7 +112,7 @@ def test_compiled_step_is_as_clean_as_torch_adam_and_matches_eager(backend, kind
     ref_opt = _fused(kind, backend, ref_model)
     _run(ref_model, ref_opt, whole=whole, compiled=False)
     for p, q in zip(_params(model), _params(ref_model)):
-        if backend == "cpp" and not whole:
+        if backend in ("cpp", "triton") and not whole:  # the same kernels, compiled or not
             assert torch.equal(p, q)
         else:  # eager's foreach ops fused by inductor; a compiled model's own grads round apart
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
@@ -130,7 +131,7 @@ def test_compiled_step_with_bf16_masters_matches_eager(backend, kind):
     ref_opt = _fused(kind, backend, ref_model)
     _run(ref_model, ref_opt, whole=False, compiled=False)
     for p, q in zip(_params(model), _params(ref_model)):
-        if backend == "cpp":
+        if backend in ("cpp", "triton"):
             assert torch.equal(p, q)
         else:  # one bf16 ulp where float32 rounding of the masters crosses a rounding boundary
             torch.testing.assert_close(p, q, rtol=2 ** -7, atol=1e-6)
@@ -155,7 +156,7 @@ def test_compiled_step_under_grad_scaler_matches_eager(backend, kind, adam_count
          scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
     assert float(scaler.get_scale()) > 0
     for p, q in zip(_params(model), _params(ref_model)):
-        if backend == "cpp":
+        if backend in ("cpp", "triton"):
             assert torch.equal(p, q)
         else:
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -178,3 +179,27 @@ def test_compiled_step_skips_a_nonfinite_step(backend):
     after = [v for s in opt.state.values() for v in s.values()]
     assert len(after) == len(state) and all(map(torch.equal, state, after))
     assert int(opt.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("backend", backend_params(("cpp", "triton")))
+def test_the_compiled_graph_calls_the_backend_operators(backend, kind):
+    """The fused backends are operators in the traced graph (torch.library), not graph breaks:
+    both passes and the clipping norms appear as ``torch.ops.fusedopt`` calls."""
+    model = _model()
+    opt = _fused(kind, backend, model)
+    x, y = _data()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    targets = set()
+
+    def record(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(opt.step, backend=record)()
+    prefix = "fusedopt.triton_" if backend == "triton" else "fusedopt."
+    expected = {f"{prefix}{name}" for name in (f"{kind}_pass1", f"{kind}_pass2", "sq_norms")}
+    assert expected <= targets, sorted(t for t in targets if "fusedopt" in t)
+    assert sum(counters["graph_break"].values()) <= 1, dict(counters["graph_break"])

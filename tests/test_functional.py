@@ -51,6 +51,8 @@ def test_functional_rejects_bad_input_with_nothing_changed():
         functional.lamb(ps, [p.grad for p in ps], m[:2], m, steps)
     with pytest.raises(ValueError, match="Invalid backend"):
         functional.lars(ps, [p.grad for p in ps], m, steps, lr=0.1, backend="bogus")
+    with pytest.raises(TypeError, match=r"lars\(\) got unexpected keyword arguments \['grad_scal'\]"):
+        functional.lars(ps, [p.grad for p in ps], m, steps, lr=0.1, grad_scal=torch.ones(()))
     assert all(torch.equal(p, q) for p, q in zip(ps, before))
     assert all(float(s) == 0 for s in steps)
 

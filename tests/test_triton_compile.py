@@ -8,10 +8,9 @@ without ``TRITON_INTERPRET``; it reports every result as JSON. Nothing here impo
 What is compiled is derived from the launcher (Note [derived specializations] in
 tests/triton_compile.py): the real step function drives the real Triton backend over every
 dtype, master, GradScaler and hyper-parameter input, and its launches are recorded instead of
-run. The run compiles a covering subset of those specializations (Note [selection]): every
-value of every kernel argument, every pair of values of two arguments and every dtype
-combination, each for both architectures. ``python tests/triton_compile.py --select all``
-compiles every one of them (hours on two cores).
+run. Every specialization those steps launch is compiled, for both architectures (Note
+[selection]); ``python tests/triton_compile.py --select all --count`` drives the whole product
+of the step inputs instead and finds the same set.
 """
 from __future__ import annotations
 
@@ -57,6 +56,12 @@ def test_the_launcher_reaches_every_kernel_and_flag(report):
     several dtypes, every optional tensor both given and None; and ``prepare`` compiles exactly
     the specializations that the step then launches."""
     assert report["summary"]["coverage_problems"] == []
+
+
+def test_nothing_found_is_left_out(report):
+    """The run compiles every specialization the steps launch, not a selection of them."""
+    summary = report["summary"]
+    assert summary["selected"] == summary["specializations"] == len(report["results"])
 
 
 def test_every_specialization_compiles(report):

@@ -30,26 +30,31 @@ instead of the current device); identical ones are compiled once. A kernel the l
 reaches, a constexpr that never varies and a step that compiles in ``prepare`` something other
 than what it launches are reported (``coverage``).
 
-Note [selection]: the product of the step inputs, and the specializations it launches, are far
-more than a test can compile. ``--select all`` drives every step of the product and compiles
-every specialization (``--where`` picks a slice). ``--select pairs``, the default and the
-test's, drives a set of steps in which every pair of values of two inputs occurs, and compiles
-a subset of what they launch in which every value of every kernel argument (constexpr value or
-argument type), every pair of values of two arguments and every dtype combination of each
-kernel occurs, on every architecture: every flag meets every dtype and every other flag both
-ways.
+Note [selection]: the product of the step inputs is 138,240 steps, minutes of driving
+(``--select all`` drives it). The default, the test's, finds the same specializations in a few
+thousand steps. It drives a set of steps in which every pair of values of two inputs occurs
+(``covering_steps``) and, from each of them, every step that differs in one input, until that
+input is seen to change what the step compiles: such an input is *structural*. It then drives
+the product of the structural inputs (the others at their first value) and checks that this
+product launches every specialization that the other steps launched (``unexplained``). Every
+specialization found is compiled, for every architecture: since the kernels take their variant
+switches as runtime flags (Note [runtime flags] in fusedopt/kernels/tables.py), the structural
+inputs are the dtypes, the layout and whether the step clips (which launches ``sq_norms``), and
+the whole set is a few hundred builds.
 
 Resources of each build come from the binary Triton produced (``cuobjdump
---dump-resource-usage``: registers, stack, static shared memory) and from ``ptxas -v`` run again
-on its PTX with Triton's flags (registers, stack frame, spill stores and loads); the two must
-agree on registers. ``shared`` is the dynamic shared memory Triton launches the kernel with
-(``metadata.shared``).
+--dump-resource-usage``: registers, stack, static shared memory) and from the ``ptxas -v`` log
+of the run that built it (registers, stack frame, spill stores and loads; ptxas runs again on
+the PTX when the cubin came from a cache); the two must agree on registers. ``shared`` is the
+dynamic shared memory Triton launches the kernel with (``metadata.shared``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import io
 import itertools
 import json
 import os
@@ -203,58 +208,112 @@ def covering_steps(axes: dict, seed: int = 0) -> list[tuple[int, ...]]:
     return steps
 
 
-def record(select: str = "pairs") -> dict:
-    """Drive the Triton backend over the step inputs of Note [derived specializations]: all of
-    their product (``select="all"``), or a set of steps covering every pair of input values
-    (``"pairs"``). Returns the recorded launches and warm-ups."""
-    import torch
+class _Driver:
+    """Drives steps of the Triton backend with recording launches (Note [derived
+    specializations]); each step's recorded calls are returned by :meth:`step`."""
 
-    from fusedopt import functional
-    from fusedopt.backends.triton_backend import TritonBackend
-    from fusedopt.kernels import tables
+    def __init__(self):
+        from fusedopt.backends.triton_backend import TritonBackend
+        from fusedopt.kernels import tables
+        self.be = TritonBackend()
+        self.domains = step_axes()
+        self.sink: list = []
+        self.buckets: dict = {}
+        self.steps = 0
+        self._tables = tables
+        self._saved = (tables.launch, tables.compile_only)
 
-    be = TritonBackend()
-    domains = step_axes()
-    sink: list = []
-    launch, compile_only = tables.launch, tables.compile_only
-    tables.launch = lambda kernel, table, **kw: launch(_Stand(kernel, "launch", sink), table, **kw)
-    tables.compile_only = lambda kernel, table, **kw: compile_only(
-        _Stand(kernel, "prepare", sink), table, **kw)
-    steps, product = 0, 0
-    buckets: dict = {}
-    try:
-        for kind, (base, axes) in domains["kinds"].items():
-            names, values = list(axes), list(axes.values())
-            product += _product_size(axes)
-            chosen = (itertools.product(*(range(len(v)) for v in values)) if select == "all"
-                      else covering_steps(axes))
-            for idx in chosen:
-                x = {n: values[k][i] for k, (n, i) in enumerate(zip(names, idx))}
-                key = (kind, x["dtypes"], x["layout"])
-                if key not in buckets:
-                    lists = _bucket_tensors(*x["dtypes"], x["layout"])
-                    for name in (("momentum_buffers",) if kind == "lamb"
-                                 else ("exp_avgs", "exp_avg_sqs")):
-                        lists.pop(name)
-                    buckets[key] = (lists, {})
-                lists, workspaces = buckets[key]
-                h = dataclasses.replace(base, **{n[2:]: v for n, v in x.items()
-                                                 if n.startswith("h.")})
-                g = functional.TensorGroup(**lists, hyper=h, backend=be, workspaces=workspaces)
-                gs, fi = x["grad_scale"], x["found_inf"]
-                functional.trust_ratio_step(
-                    kind, [g],
-                    grad_scale=None if gs is None else torch.tensor(gs, dtype=torch.float32),
-                    found_inf=None if fi is None else torch.tensor(fi, dtype=torch.float32))
-                steps += 1
-        first = len(sink)
-        for d in domains["supported"]:  # the public sq_norms (fusedopt.sq_norms, noise scale)
+    def __enter__(self):
+        t, (launch, compile_only) = self._tables, self._saved
+        t.launch = lambda kernel, table, **kw: launch(_Stand(kernel, "launch", self.sink), table, **kw)
+        t.compile_only = lambda kernel, table, **kw: compile_only(
+            _Stand(kernel, "prepare", self.sink), table, **kw)
+        return self
+
+    def __exit__(self, *exc):
+        self._tables.launch, self._tables.compile_only = self._saved
+
+    def step(self, kind: str, idx: tuple[int, ...]) -> list:
+        """Run one step of ``kind`` with the axis values ``idx``; its recorded calls."""
+        import torch
+
+        from fusedopt import functional
+        base, axes = self.domains["kinds"][kind]
+        x = {n: values[i] for (n, values), i in zip(axes.items(), idx)}
+        key = (kind, x["dtypes"], x["layout"])
+        if key not in self.buckets:
+            lists = _bucket_tensors(*x["dtypes"], x["layout"])
+            for name in (("momentum_buffers",) if kind == "lamb" else ("exp_avgs", "exp_avg_sqs")):
+                lists.pop(name)
+            self.buckets[key] = (lists, {})
+        lists, workspaces = self.buckets[key]
+        h = dataclasses.replace(base, **{n[2:]: v for n, v in x.items() if n.startswith("h.")})
+        g = functional.TensorGroup(**lists, hyper=h, backend=self.be, workspaces=workspaces)
+        gs, fi = x["grad_scale"], x["found_inf"]
+        first = len(self.sink)
+        functional.trust_ratio_step(
+            kind, [g], grad_scale=None if gs is None else torch.tensor(gs, dtype=torch.float32),
+            found_inf=None if fi is None else torch.tensor(fi, dtype=torch.float32))
+        self.steps += 1
+        return self.sink[first:]
+
+    def sq_norms(self) -> None:
+        """The public sq_norms (fusedopt.sq_norms, the noise scale), for every dtype and layout."""
+        first = len(self.sink)
+        for d in self.domains["supported"]:
             for layout in ("mixed", "aligned", "misaligned"):
-                be.sq_norms(_bucket_tensors(d, d, False, layout)["params"])
-        sink[first:] = [(kernel, "sq_norms", args, kw) for kernel, _, args, kw in sink[first:]]
-    finally:
-        tables.launch, tables.compile_only = launch, compile_only
-    return dict(calls=sink, steps=steps, step_product=product)
+                self.be.sq_norms(_bucket_tensors(d, d, False, layout)["params"])
+        self.sink[first:] = [(kernel, "sq_norms", args, kw) for kernel, _, args, kw in self.sink[first:]]
+
+
+def record(select: str = "derived") -> dict:
+    """Drive the Triton backend over the step inputs of Note [derived specializations] and record
+    its launches and warm-ups: every step of their product (``select="all"``), or the steps of
+    Note [selection] (``"derived"``). Returns the calls, the steps driven, the size of the
+    product and, for "derived", the axes found to select code (``structural``)."""
+    packer = _Packer(ARCHS[0])
+    structural: dict[str, list[str]] = {}
+    product, first, unexplained = 0, 0, set()
+    with _Driver() as d:
+        for kind, (base, axes) in d.domains["kinds"].items():
+            names, sizes = list(axes), [len(v) for v in axes.values()]
+            product += _product_size(axes)
+            if select == "all":
+                for idx in itertools.product(*map(range, sizes)):
+                    d.step(kind, idx)
+                continue
+            found = set()
+            for idx in covering_steps(axes):
+                specs = _spec_keys(packer, d.step(kind, idx))
+                for a, name in enumerate(names):
+                    if name in found:
+                        continue
+                    for v in range(sizes[a]):
+                        if v != idx[a] and _spec_keys(packer, d.step(
+                                kind, idx[:a] + (v,) + idx[a + 1:])) != specs:
+                            found.add(name)
+                            break
+            structural[kind] = [n for n in names if n in found]
+            start = len(d.sink)
+            for idx in itertools.product(*(range(n) if name in found else (0,)
+                                           for name, n in zip(names, sizes))):
+                d.step(kind, idx)
+            reached = _spec_keys(packer, d.sink[start:])
+            unexplained |= {k[0] for k in _spec_keys(packer, d.sink[first:start]) - reached}
+            first = len(d.sink)
+        d.sq_norms()
+    return dict(calls=d.sink, steps=d.steps, step_product=product, structural=structural,
+                unexplained=sorted(unexplained))
+
+
+def _spec_keys(packer, calls) -> frozenset:
+    """What the calls compile (for one architecture), without their via."""
+    out = set()
+    for kernel, _, args, kwargs in calls:
+        _, signature, constexprs, attrs = packer.pack(kernel, args, kwargs)
+        out.add((kernel.fn.__name__, repr(sorted(signature.items())),
+                 repr(sorted(constexprs.items(), key=repr)), repr(sorted(attrs.items(), key=repr))))
+    return frozenset(out)
 
 
 # --------------------------------------------------------------------------- specializations
@@ -380,38 +439,6 @@ def coverage(specs: list[dict]) -> list[str]:
     return problems
 
 
-def _pair_features(s: dict) -> set:
-    """A specialization's argument values, their pairs, and its dtype combination (the rows of
-    :func:`table`)."""
-    items = sorted(s["args"].items())
-    return ({(a, b) for a, b in itertools.combinations(items, 2)} | {(a,) for a in items}
-            | {("dtypes", _group(s))})
-
-
-def select_pairs(specs: list[dict], seed: int = 0) -> list[dict]:
-    """Note [selection]: per kernel, the specializations (on every architecture) of a subset of
-    its argument lists in which every value, every pair of values of two arguments and every
-    dtype combination that occurs in ``specs`` occurs (greedy cover, deterministic)."""
-    rng = random.Random(seed)
-    groups = defaultdict(dict)
-    for s in specs:
-        groups[s["name"]].setdefault(tuple(s["args"].items()), s)
-    keep = set()
-    for name in sorted(groups):
-        group = [groups[name][k] for k in sorted(groups[name])]
-        feats = [_pair_features(s) for s in group]
-        uncovered = set().union(*feats)
-        while uncovered:
-            pool = rng.sample(range(len(group)), min(len(group), 400))
-            best = max(pool, key=lambda i: len(feats[i] & uncovered))
-            if not feats[best] & uncovered:  # the sample missed the rest: take one that has it
-                need = min(uncovered, key=repr)
-                best = next(i for i, f in enumerate(feats) if need in f)
-            keep.add((name, tuple(group[best]["args"].items())))
-            uncovered -= feats[best]
-    return [s for s in specs if (s["name"], tuple(s["args"].items())) in keep]
-
-
 # --------------------------------------------------------------------------- compiling
 _USED = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -423,45 +450,51 @@ def _compile_one(task: dict) -> dict:
     """Compile one specialization (in a worker process); its resources, or its error."""
     _compiling_environment()
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     kernel = getattr(importlib.import_module(task["module"]), task["name"])
     signature, constexprs, attrs, opts = task["compile"]
     out = dict(key=task["key"])
+    knobs.nvidia.dump_ptxas_log = True  # Triton prints the log of its own `ptxas -v` run
+    printed = io.StringIO()
     t0 = time.perf_counter()
     try:
-        ck = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                            target=GPUTarget("cuda", task["arch"], 32), options=opts)
+        with contextlib.redirect_stdout(printed):
+            ck = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                target=GPUTarget("cuda", task["arch"], 32), options=opts)
     except Exception as e:  # reported with the specialization by the caller
         out.update(error=f"{type(e).__name__}: {e}"[-4000:], seconds=time.perf_counter() - t0)
         return out
     out["seconds"] = time.perf_counter() - t0
     out["shared"] = ck.metadata.shared
     try:
-        out.update(_resources(ck, opts))
+        out.update(_resources(ck, opts, printed.getvalue()))
     except Exception as e:
         out["error"] = f"resource report: {type(e).__name__}: {e}"[-4000:]
     return out
 
 
-def _resources(ck, opts: dict) -> dict:
-    """Registers, stack and spills of a compiled kernel: its cubin's resource usage and ptxas -v
-    on its PTX, with the flags Triton gives ptxas."""
+def _resources(ck, opts: dict, log: str) -> dict:
+    """Registers, stack and spills of a compiled kernel: its cubin's resource usage, and the
+    ``ptxas -v`` log of the run that built it (``log``; ptxas runs again on the kernel's PTX, with
+    the flags Triton gives it, when the cubin came from a cache)."""
     from triton import knobs
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         cubin, ptx = Path(tmp, "k.cubin"), Path(tmp, "k.ptx")
         cubin.write_bytes(ck.asm["cubin"])
-        ptx.write_text(ck.asm["ptx"])
         res = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)],
                              capture_output=True, text=True, check=True).stdout
         m = _RES.search(res)
         out.update(regs=int(m[1]), stack=int(m[2]), static_shared=int(m[3]), local=int(m[4]))
         arch = _TARGET.search(ck.asm["ptx"])[1]
-        fmad = [] if opts.get("enable_fp_fusion", True) else ["--fmad=false"]
-        log = subprocess.run([knobs.nvidia.ptxas.path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-                              *fmad, f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp, "k.o"))],
-                             capture_output=True, text=True, check=True).stderr
+        if _FRAME.search(log) is None:
+            ptx.write_text(ck.asm["ptx"])
+            fmad = [] if opts.get("enable_fp_fusion", True) else ["--fmad=false"]
+            log = subprocess.run([knobs.nvidia.ptxas.path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                                  *fmad, f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp, "k.o"))],
+                                 capture_output=True, text=True, check=True).stderr
         frame = _FRAME.search(log)
         out.update(ptxas_regs=int(_USED.search(log)[1]), stack_frame=int(frame[1]),
                    spill_stores=int(frame[2]), spill_loads=int(frame[3]), ptx_target=arch)
@@ -539,8 +572,9 @@ def _jsonable(s: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--select", choices=("pairs", "all"), default="pairs",
-                    help="Note [selection]: a covering subset (default) or every specialization")
+    ap.add_argument("--select", choices=("derived", "all"), default="derived",
+                    help="Note [selection]: the steps that find every specialization (default), "
+                         "or every step of the product (minutes)")
     ap.add_argument("--arch", default=",".join(map(str, ARCHS)), help="compute capabilities")
     ap.add_argument("--jobs", type=int, default=2, help="compiler processes")
     ap.add_argument("--cache-dir", help="Triton cache to use (default: a fresh temporary one)")
@@ -556,9 +590,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rec = record(args.select)
     specs = specializations(rec, tuple(int(a) for a in args.arch.split(",")))
-    problems = coverage(specs)
+    problems = coverage(specs) + [
+        f"{name}: a step of the cover launches a specialization that the product of the "
+        f"structural axes {rec['structural']} does not" for name in rec.get("unexplained", ())]
     t_record = time.perf_counter() - t0
-    chosen = specs if args.select == "all" else select_pairs(specs)
+    chosen = specs
     for cond in args.where:
         name, _, value = cond.partition("=")
         negate = name.endswith("!")
@@ -572,6 +608,7 @@ def main(argv=None) -> int:
         counts[(s["name"], s["arch"])][1] += 1
     summary = dict(step_product=rec["step_product"], steps=rec["steps"], calls=len(rec["calls"]),
                    record_seconds=round(t_record, 1),
+                   structural=rec.get("structural"),
                    specializations=len(specs), selected=len(chosen), select=args.select,
                    per_kernel={f"{n} sm_{a}": c for (n, a), c in sorted(counts.items())},
                    coverage_problems=problems)

@@ -15,6 +15,18 @@ float64 for float64 params (hyper-parameters travel as float64 kernel arguments)
 Devices: CUDA tensors (compiled kernels); CPU tensors only under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment before triton is imported), which the tests use.
 
+Note [triton operators]: under ``torch.compile`` the passes go through the ``torch.library``
+operators ``fusedopt::triton_{lamb,lars}_pass{1,2}`` and ``fusedopt::triton_sq_norms`` (opaque
+custom ops with fake implementations), so dynamo records one operator call per pass instead of
+breaking the graph at the pointer tables, and the compiled graph launches the same kernels as
+eager mode. An operator builds its bucket again from its tensor lists and hyper-parameters;
+its tables are kept in a workspace keyed by the params' data pointers (at most
+``_OP_WORKSPACES`` of them, least recently used first out), so a compiled step whose tensors
+stay where they are builds nothing after its first step. Pass 1's operator compiles every
+kernel of the step before it runs one, as ``prepare`` does in eager mode; with
+``backend="auto"`` a compile failure inside a compiled graph raises (there is no fall-back from
+inside a graph).
+
 Note [lazy import]: importing this module does not import triton, and neither does constructing
 the backend (``fusedopt.available_backends()`` constructs every backend): triton decides
 between compiling and interpreting when its modules are first imported, so the first import
@@ -23,9 +35,13 @@ on first use.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 import os
 import sys
+from collections import OrderedDict
+from typing import Optional
 
 import torch
 
@@ -65,9 +81,12 @@ class _Kernels:
 
 
 def _lr_args(lr, device) -> dict:
+    """``lr`` and ``lr_ptr`` of a pass-2 launch (Note [runtime flags] in kernels/tables.py): a
+    tensor lr as float64 on ``device`` (exact from any floating dtype), a number in ``lr``."""
     if isinstance(lr, torch.Tensor):
-        return dict(lr=0.0, lr_ptr=lr if lr.device == device else lr.to(device), LR_IS_TENSOR=True)
-    return dict(lr=lr, lr_ptr=None, LR_IS_TENSOR=False)
+        return dict(lr=0.0, lr_ptr=lr.to(device=device, dtype=torch.float64))
+    from ..kernels.tables import operand
+    return dict(lr=lr, lr_ptr=operand(device, torch.float64, 0.0))
 
 
 class TritonBackend(Backend):
@@ -113,14 +132,23 @@ class TritonBackend(Backend):
         return store
 
     def _structure(self, b: Bucket, table, found_inf) -> dict:
-        """Table arguments and constexpr switches common to the kernels of one launch."""
+        """Table arguments and constexprs common to the kernels of one launch; a step without
+        ``found_inf`` passes a 0 (Note [runtime flags] in kernels/tables.py)."""
         t = self.k.tables
+        if found_inf is None:
+            found_inf = t.operand(b.device, torch.float32, 0.0)
         return dict(
             records=table.records, owner=table.owner, found_inf=found_inf,
             P_DTYPE=self.k.dtype[b.param_dtype], CD=self.k.dtype[b.compute_dtype],
-            HAS_MASTER=b.masters is not None, HAS_FOUND_INF=found_inf is not None,
+            HAS_MASTER=b.masters is not None,
             ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
         )
+
+    def _grad_mult(self, b: Bucket, grad_mult):
+        """``grad_mult``, or a 1 when the step has none (Note [runtime flags])."""
+        if grad_mult is None:
+            return self.k.tables.operand(b.device, b.compute_dtype, 1.0)
+        return grad_mult
 
     def _pass1(self, kernel, b: Bucket, state: list, grad_mult, found_inf, run=None,
                **scalars) -> torch.Tensor:
@@ -133,9 +161,9 @@ class TritonBackend(Backend):
         run = run or t.launch
         for table in tabs:
             run(kernel, table, **self._structure(b, table, found_inf),
-                      partials=table.partials(cd), counters=table.counters, sums=sums,
-                      grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
-                      G_DTYPE=self.k.dtype[b.grad_dtype], RBLOCK=t.REDUCE_BLOCK, **scalars)
+                partials=table.partials(cd), counters=table.counters, sums=sums,
+                grad_mult=self._grad_mult(b, grad_mult), G_DTYPE=self.k.dtype[b.grad_dtype],
+                RBLOCK=t.REDUCE_BLOCK, **scalars)
         b.scratch["tables"] = tabs
         return sums
 
@@ -174,16 +202,23 @@ class TritonBackend(Backend):
         return out
 
     def grad_sq_norms(self, b: Bucket, run=None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # Note [triton operators]
+            return torch.ops.fusedopt.triton_sq_norms(b.grads)
         return self.sq_norms(b.grads, self._store(b), run)
 
     def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
                 clip: bool) -> None:
         """Compile every kernel this step will launch for ``b`` before anything runs, so that a
         compile failure leaves every tensor as it was (Backend.prepare). Each specialization is
-        compiled once per process; the check of a known one is a pass over the launch arguments."""
-        dev, cd = b.device, b.compute_dtype
-        gm = torch.ones((), dtype=cd, device=dev) if has_grad_mult else None
-        fi = torch.zeros((), dtype=torch.float32, device=dev) if has_found_inf else None
+        compiled once per process; the check of a known one is a pass over the launch arguments.
+        Under torch.compile pass 1's operator does this when the graph runs (Note [triton
+        operators])."""
+        if torch.compiler.is_compiling():
+            return
+        dev = b.device
+        # the launches take a 1 and a 0 where the step has no grad_mult and found_inf (Note
+        # [runtime flags]), so these stand for both cases
+        gm = fi = None
         seen = self._compiled
 
         def compile_once(kernel, table, **kwargs):
@@ -205,45 +240,196 @@ class TritonBackend(Backend):
         finally:
             b.scratch.pop("tables", None)
 
-    @staticmethod
-    def _pass1_scalars(kind: str, h) -> dict:
-        if kind == "lamb":
-            return TritonBackend._lamb_scalars(h)
-        return dict(weight_decay=h.weight_decay, COMBINED=h.combined)
-
     # ----------------------------------------------------------------- LAMB
     @staticmethod
     def _lamb_scalars(h: LambHyper) -> dict:
         """Kernel arguments of math.h's ``lamb_coef``, shared by both passes."""
         return dict(beta1=h.beta1, beta2=h.beta2, beta3=h.beta3, one_minus_beta2=h.one_minus_beta2,
-                    eps=h.eps, lambda_in_u=h.lambda_in_u,
-                    BIAS_CORRECTION=h.bias_correction)
+                    eps=h.eps, lambda_in_u=h.lambda_in_u)
 
     def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf, run=None):
+        if torch.compiler.is_compiling():
+            return torch.ops.fusedopt.triton_lamb_pass1(
+                b.params, b.grads, b.masters or [], b.exp_avgs, b.exp_avg_sqs, b.steps,
+                _floats(h), grad_mult, found_inf)
         return self._pass1(self.k.lamb.lamb_pass1_kernel, b, [b.exp_avgs, b.exp_avg_sqs], grad_mult,
-                           found_inf, run, **self._pass1_scalars("lamb", h))
+                           found_inf, run, **self._lamb_scalars(h),
+                           flags=self.k.tables.flags(BIAS_CORRECTION=h.bias_correction))
 
     def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf, run=None):
+        if torch.compiler.is_compiling():
+            return torch.ops.fusedopt.triton_lamb_pass2(
+                b.params, b.grads, b.masters or [], b.exp_avgs, b.exp_avg_sqs, b.steps, sums,
+                _floats(h), _tensor_lr(h), found_inf)
         self._pass2(
             self.k.lamb.lamb_pass2_kernel, b, sums, found_inf, run, **self._lamb_scalars(h),
-            decoupled_wd=h.decoupled_lambda,
-            ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi, ADAPT=h.adapt, BOUNDED=h.bounded,
+            decoupled_wd=h.decoupled_lambda, ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi,
+            flags=self.k.tables.flags(LR_TENSOR=isinstance(h.lr, torch.Tensor),
+                                      BIAS_CORRECTION=h.bias_correction, ADAPT=h.adapt,
+                                      BOUNDED=h.bounded),
             **_lr_args(h.lr, b.device),
         )
 
     # ----------------------------------------------------------------- LARS
     def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf, run=None):
+        if torch.compiler.is_compiling():
+            return torch.ops.fusedopt.triton_lars_pass1(
+                b.params, b.grads, b.masters or [], b.momentum_buffers, b.steps, _floats(h),
+                grad_mult, found_inf)
         return self._pass1(self.k.lars.lars_pass1_kernel, b, [b.momentum_buffers, None], grad_mult,
-                           found_inf, run, **self._pass1_scalars("lars", h))
+                           found_inf, run, weight_decay=h.weight_decay,
+                           flags=self.k.tables.flags(COMBINED=h.combined))
 
     def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf, run=None):
+        if torch.compiler.is_compiling():
+            return torch.ops.fusedopt.triton_lars_pass2(
+                b.params, b.grads, b.masters or [], b.momentum_buffers, b.steps, sums, _floats(h),
+                _tensor_lr(h), grad_mult, found_inf)
         self._pass2(
             self.k.lars.lars_pass2_kernel, b, sums, found_inf, run,
-            grad_mult=grad_mult, HAS_GRAD_MULT=grad_mult is not None,
-            G_DTYPE=self.k.dtype[b.grad_dtype],
+            grad_mult=self._grad_mult(b, grad_mult), G_DTYPE=self.k.dtype[b.grad_dtype],
             momentum=h.momentum, one_minus_dampening=h.one_minus_dampening,
             weight_decay=h.weight_decay, trust_coefficient=h.trust_coefficient, eps=h.eps,
-            ADAPT=h.adapt, COMBINED=h.combined, TRUST_CLIP=h.trust_clip, NESTEROV=h.nesterov,
-            LR_IN_MOMENTUM=h.lr_in_momentum,
+            flags=self.k.tables.flags(LR_TENSOR=isinstance(h.lr, torch.Tensor), ADAPT=h.adapt,
+                                      COMBINED=h.combined, TRUST_CLIP=h.trust_clip,
+                                      NESTEROV=h.nesterov, LR_IN_MOMENTUM=h.lr_in_momentum),
             **_lr_args(h.lr, b.device),
         )
+
+
+# ------------------------------------------------------------------------ operators
+# Note [triton operators]
+_HYPER = {"lamb": LambHyper, "lars": LarsHyper}
+_OP_WORKSPACES = 64
+_op_workspaces: OrderedDict = OrderedDict()
+
+
+def _floats(h) -> list[float]:
+    """``h``'s fields but lr, in declaration order, as floats (True 1, None NaN)."""
+    return [math.nan if v is None else float(v)
+            for v in (getattr(h, f.name) for f in dataclasses.fields(h) if f.name != "lr")]
+
+
+def _tensor_lr(h) -> torch.Tensor | None:
+    return h.lr if isinstance(h.lr, torch.Tensor) else None
+
+
+def _hyper(kind: str, floats: list[float], lr: torch.Tensor | None):
+    """The inverse of :func:`_floats` (a number lr, which the passes do not read, becomes 0)."""
+    values = {}
+    fields = [f for f in dataclasses.fields(_HYPER[kind]) if f.name != "lr"]
+    for f, v in zip(fields, floats):
+        kind_of = str(f.type)
+        values[f.name] = (bool(v) if kind_of == "bool"
+                          else None if "None" in kind_of and math.isnan(v) else v)
+    return _HYPER[kind](lr=0.0 if lr is None else lr, **values)
+
+
+def _op_workspace(tensors) -> dict:
+    """The workspace of an operator call on ``tensors`` (keyed by their data pointers)."""
+    key = tuple(t.data_ptr() for t in tensors)
+    workspace = _op_workspaces.pop(key, None)
+    if workspace is None:
+        workspace = {}
+        while len(_op_workspaces) >= _OP_WORKSPACES:
+            _op_workspaces.popitem(last=False)
+    _op_workspaces[key] = workspace
+    return workspace
+
+
+def _op_bucket(params, grads, masters, steps, **state) -> Bucket:
+    """A bucket for an operator call, with the workspace of its params' pointers."""
+    return Bucket(params=list(params), grads=list(grads), steps=list(steps),
+                  masters=list(masters) or None, workspace=_op_workspace(params),
+                  **{k: list(v) for k, v in state.items()})
+
+
+def _backend() -> TritonBackend:
+    from . import get_backend
+    return get_backend("triton")
+
+
+def _tables_for_pass2(be: TritonBackend, b: Bucket, state: list) -> None:
+    b.scratch["tables"] = be.k.tables.tables([b.params, b.grads, b.masters, *state, b.steps],
+                                             be._store(b))
+
+
+@torch.library.custom_op("fusedopt::triton_sq_norms", mutates_args=())
+def _sq_norms_op(tensors: list[torch.Tensor]) -> torch.Tensor:
+    be = _backend()
+    return be.sq_norms(tensors, _op_workspace(tensors).setdefault("triton", be.k.tables.TableStore()))
+
+
+@_sq_norms_op.register_fake
+def _(tensors):
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return tensors[0].new_empty((len(tensors),), dtype=dtype)
+
+
+def _sums_fake(params, *_):
+    cd = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    return params[0].new_empty((len(params), 2), dtype=cd)
+
+
+@torch.library.custom_op("fusedopt::triton_lamb_pass1",
+                         mutates_args=("exp_avgs", "exp_avg_sqs", "steps"))
+def _lamb_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
+                   masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: list[float],
+                   grad_mult: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]
+                   ) -> torch.Tensor:
+    be, h = _backend(), _hyper("lamb", hyper, None)
+    b = _op_bucket(params, grads, masters, steps, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    be.prepare(b, "lamb", h, grad_mult is not None, found_inf is not None, False)
+    return be.lamb_pass1(b, h, grad_mult, found_inf)
+
+
+@torch.library.custom_op("fusedopt::triton_lamb_pass2", mutates_args=("params", "masters"))
+def _lamb_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
+                   masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], sums: torch.Tensor,
+                   hyper: list[float], lr: Optional[torch.Tensor],
+                   found_inf: Optional[torch.Tensor]) -> None:
+    be, h = _backend(), _hyper("lamb", hyper, lr)
+    b = _op_bucket(params, grads, masters, steps, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    _tables_for_pass2(be, b, [b.exp_avgs, b.exp_avg_sqs])
+    be.lamb_pass2(b, h, sums, found_inf)
+
+
+@torch.library.custom_op("fusedopt::triton_lars_pass1", mutates_args=("steps",))
+def _lars_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
+                   masters: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
+                   steps: list[torch.Tensor], hyper: list[float],
+                   grad_mult: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]
+                   ) -> torch.Tensor:
+    be, h = _backend(), _hyper("lars", hyper, None)
+    b = _op_bucket(params, grads, masters, steps, momentum_buffers=momentum_buffers)
+    be.prepare(b, "lars", h, grad_mult is not None, found_inf is not None, False)
+    return be.lars_pass1(b, h, grad_mult, found_inf)
+
+
+@torch.library.custom_op("fusedopt::triton_lars_pass2",
+                         mutates_args=("params", "masters", "momentum_buffers"))
+def _lars_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
+                   masters: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
+                   steps: list[torch.Tensor], sums: torch.Tensor, hyper: list[float],
+                   lr: Optional[torch.Tensor], grad_mult: Optional[torch.Tensor],
+                   found_inf: Optional[torch.Tensor]) -> None:
+    be, h = _backend(), _hyper("lars", hyper, lr)
+    b = _op_bucket(params, grads, masters, steps, momentum_buffers=momentum_buffers)
+    _tables_for_pass2(be, b, [b.momentum_buffers, None])
+    be.lars_pass2(b, h, sums, grad_mult, found_inf)
+
+
+_lamb_pass1_op.register_fake(_sums_fake)
+_lars_pass1_op.register_fake(_sums_fake)
+
+
+@_lamb_pass2_op.register_fake
+def _(*_):
+    return None
+
+
+@_lars_pass2_op.register_fake
+def _(*_):
+    return None

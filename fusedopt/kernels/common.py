@@ -45,17 +45,26 @@ STEP = tl.constexpr(_tables.STEP)
 NUMEL = tl.constexpr(_tables.NUMEL)
 FIRST_CHUNK = tl.constexpr(_tables.FIRST_CHUNK)
 OUT = tl.constexpr(_tables.OUT)
+# Bits of the kernels' runtime ``flags`` argument (Note [runtime flags] in kernels/tables.py).
+LR_TENSOR = tl.constexpr(_tables.LR_TENSOR)
+BIAS_CORRECTION = tl.constexpr(_tables.BIAS_CORRECTION)
+ADAPT = tl.constexpr(_tables.ADAPT)
+BOUNDED = tl.constexpr(_tables.BOUNDED)
+COMBINED = tl.constexpr(_tables.COMBINED)
+TRUST_CLIP = tl.constexpr(_tables.TRUST_CLIP)
+NESTEROV = tl.constexpr(_tables.NESTEROV)
+LR_IN_MOMENTUM = tl.constexpr(_tables.LR_IN_MOMENTUM)
 INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 
 @triton.jit
-def chunks_of(records, owner, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr,
-              ROWS: tl.constexpr):
+def chunks_of(records, owner, found_inf, CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """This program's rows, as ``[ROWS]`` vectors: ``(c, valid, i, rec, start, n, first, count,
     inc)`` = chunk index, whether the row holds a chunk, its tensor (in the table), the tensor's
     record, the chunk's first element, the elements to update (0 for padding, a 0-size tensor, or
     when ``*found_inf`` is nonzero), the tensor's first chunk and number of chunks, and the step
-    increment (1, or 0 when ``*found_inf`` is nonzero).
+    increment (1, or 0 when ``*found_inf`` is nonzero). ``found_inf`` None (the norms of
+    sq_norms_kernel): nothing is skipped.
 
     Note [skipped steps]: when ``*found_inf`` is nonzero no element of a param, grad, master or
     state tensor is read or written, but a pass 1 still runs its bookkeeping: it stores the
@@ -72,7 +81,7 @@ def chunks_of(records, owner, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.
     start = (c - first) * CHUNK
     n = tl.where(valid, tl.minimum(numel - start, CHUNK), 0).to(tl.int32)  # <= CHUNK
     inc = 1.0
-    if HAS_FOUND_INF:
+    if found_inf is not None:
         skip = tl.load(found_inf) != 0
         n = tl.where(skip, 0, n)
         inc = tl.where(skip, 0.0, 1.0)
@@ -90,12 +99,9 @@ def tensor_ptrs(rec, COLUMN: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.cons
 
 
 @triton.jit
-def grad_multiplier(grad_mult, CD: tl.constexpr, HAS_GRAD_MULT: tl.constexpr):
-    """``*grad_mult`` in CD, or 1."""
-    if HAS_GRAD_MULT:
-        return tl.load(grad_mult).to(CD)
-    else:
-        return tl.full((), 1.0, CD)
+def flag(flags, BIT: tl.constexpr):
+    """Whether bit BIT of the runtime ``flags`` is set (Note [runtime flags] in kernels/tables.py)."""
+    return (flags & BIT) != 0
 
 
 @triton.jit
@@ -170,7 +176,7 @@ def sq_norms_kernel(
     CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
 ):
     """``sums[i] = Σ x_i²`` (global gradient clipping), accumulated in CD."""
-    c, valid, i, rec, start, n, first, count, inc = chunks_of(records, owner, None, False, CHUNK, ROWS)
+    c, valid, i, rec, start, n, first, count, inc = chunks_of(records, owner, None, CHUNK, ROWS)
     x_ptr = tensor_ptrs(rec, PARAM, X_DTYPE, ALIGNED) + start[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     acc = tl.full([ROWS, BLOCK], 0.0, CD)

@@ -12,16 +12,17 @@ count, takes ``φ`` from ``sums`` (which may have been all-reduced in between) a
 Memory traffic per element: pass 1 reads w, g, m, v and writes m, v; pass 2 reads w, m, v and
 writes w: docs/math.md's 40 bytes for float32.
 
-Hyper-parameters are float64 runtime arguments (Note [float64 scalars] in math.py); constexprs
-are structural only: dtypes, variant flags, presence of optional tensors, tile sizes.
+Hyper-parameters are float64 runtime arguments (Note [float64 scalars] in math.py) and the
+variant flags bits of the runtime ``flags`` (Note [runtime flags] in kernels/tables.py);
+constexprs are structural only: dtypes, whether fp32 masters exist, alignment, tile sizes.
 """
 import triton
 import triton.language as tl
 
 from .math import lamb_apply, lamb_coef, lamb_direction, lamb_moments, lamb_trust_ratio
 from .common import (
-    GRAD, MASTER, OUT, PARAM, STATE0, STATE1, STEP, chunks_of, finish_rows, grad_multiplier,
-    load_tile, masked_sq, round_to, tensor_ptrs,
+    ADAPT, BIAS_CORRECTION, BOUNDED, GRAD, LR_TENSOR, MASTER, OUT, PARAM, STATE0, STATE1, STEP,
+    chunks_of, finish_rows, flag, load_tile, masked_sq, round_to, tensor_ptrs,
 )
 
 
@@ -41,33 +42,33 @@ def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_m
     return w * w, masked_sq(u, mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["flags"])
 def lamb_pass1_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, exp_avg, exp_avg_sq, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     partials,  # CD [C, 2]: chunk partial sums
     counters,  # int32 [n]: finished chunks per tensor (zero between launches)
     sums,  # CD [bucket size, 2]: output, (‖w‖², ‖u‖²) at each tensor's OUT row
-    grad_mult,  # CD scalar or None: every gradient is read as g·grad_mult
-    found_inf,  # float32 scalar or None: nonzero skips the step
+    grad_mult,  # CD scalar: every gradient is read as g·grad_mult
+    found_inf,  # float32 scalar: nonzero skips the step
     beta1: tl.float64, beta2: tl.float64, beta3: tl.float64, one_minus_beta2: tl.float64,
     eps: tl.float64,
     lambda_in_u: tl.float64,  # λ, or 0 for decoupled weight decay
+    flags: tl.int32,  # BIAS_CORRECTION
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, CD: tl.constexpr,
-    HAS_MASTER: tl.constexpr, HAS_GRAD_MULT: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
 ):
     """Moments, step counts and the per-tensor ``(‖w‖², ‖u‖²)`` of one LAMB step."""
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
-        records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
+        records, owner, found_inf, CHUNK, ROWS)
     step_ptr = tl.load(rec + STEP).to(tl.pointer_type(tl.float32))
     t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in common.py
     b1, b2, b3, omb2, eps_c, r1, r2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
-                                                     lambda_in_u, CD, BIAS_CORRECTION)
+                                                     lambda_in_u, CD, flag(flags, BIAS_CORRECTION))
     r1 = r1[:, None]
     r2 = r2[:, None]
-    gm = grad_multiplier(grad_mult, CD, HAS_GRAD_MULT)
+    gm = tl.load(grad_mult).to(CD)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
     else:
@@ -111,41 +112,37 @@ def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, r1, r2, eps, lambda_in_u, lr_p
         tl.store(p_ptr, round_to(w, P_DTYPE), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["flags"])
 def lamb_pass2_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, exp_avg, exp_avg_sq, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
     sums,  # [bucket size, 2]: (‖w‖², ‖u‖²) by OUT row, from pass 1 (possibly all-reduced)
-    found_inf,  # float32 scalar or None: nonzero skips the step
-    lr_ptr,  # scalar tensor or None: the learning rate when it is a tensor (LR_IS_TENSOR)
+    found_inf,  # float32 scalar: nonzero skips the step
+    lr_ptr,  # float64 scalar: the learning rate when it is a tensor (flag LR_TENSOR)
     beta1: tl.float64, beta2: tl.float64, beta3: tl.float64, one_minus_beta2: tl.float64,
     eps: tl.float64,
     lambda_in_u: tl.float64,  # λ, or 0 for decoupled weight decay
     lr: tl.float64,  # the learning rate when it is a number
     decoupled_wd: tl.float64,  # λ for decoupled weight decay, else 0
     ratio_lo: tl.float64, ratio_hi: tl.float64,
-    P_DTYPE: tl.constexpr, CD: tl.constexpr,
-    HAS_MASTER: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-    ADAPT: tl.constexpr, BOUNDED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr,
+    flags: tl.int32,  # LR_TENSOR, BIAS_CORRECTION, ADAPT, BOUNDED
+    P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Trust ratio ``φ`` from ``sums`` and the update ``w ← w·(1 − lr·λ_decoupled) − lr·φ·u``."""
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
-        records, owner, found_inf, HAS_FOUND_INF, CHUNK, ROWS)
+        records, owner, found_inf, CHUNK, ROWS)
     t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
     _, _, _, _, eps_c, r1, r2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
-                                               lambda_in_u, CD, BIAS_CORRECTION)  # t of pass 1
+                                               lambda_in_u, CD, flag(flags, BIAS_CORRECTION))  # t of pass 1
     r1 = r1[:, None]
     r2 = r2[:, None]
     row = tl.load(rec + OUT)  # the tensor's row of sums
     w_sq = tl.load(sums + 2 * row, mask=valid, other=0.0).to(CD)
     u_sq = tl.load(sums + 2 * row + 1, mask=valid, other=0.0).to(CD)
     phi = lamb_trust_ratio(w_sq, u_sq, tl.full((), ratio_lo, CD), tl.full((), ratio_hi, CD),
-                           ADAPT, BOUNDED)
-    if LR_IS_TENSOR:
-        lr64 = tl.load(lr_ptr).to(tl.float64)
-    else:
-        lr64 = tl.full((), lr, tl.float64)
+                           flag(flags, ADAPT), flag(flags, BOUNDED))
+    lr64 = tl.where(flag(flags, LR_TENSOR), tl.load(lr_ptr), tl.full((), lr, tl.float64))
     lr_phi = (lr64.to(CD) * phi)[:, None]
     decay = (1.0 - lr64 * tl.full((), decoupled_wd, tl.float64)).to(CD)
     if HAS_MASTER:

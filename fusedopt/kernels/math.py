@@ -75,17 +75,13 @@ def clamp_keep_nan(x, lo, hi):
 
 @triton.jit
 def lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps, lambda_in_u, CD: tl.constexpr,
-              BIAS_CORRECTION: tl.constexpr):
+              corrected):
     """math.h's LambCoef: the LAMB scalars of step ``t`` in CD, ``(β1, β2, β3, 1-β2, eps, r1, r2,
-    λ_u)``; ``r1 = 1/(1 - β1^t)`` and ``r2 = 1/sqrt(1 - β2^t)`` (1 without bias correction, Note
-    [bias-correction factors] of math.h) are computed in float64 with the shape of ``t``; ``λ_u`` is
-    λ, or 0 for decoupled weight decay."""
-    if BIAS_CORRECTION:
-        r1 = (1.0 / bias_correction(beta1, t)).to(CD)
-        r2 = (1.0 / tl.sqrt(bias_correction(beta2, t))).to(CD)
-    else:
-        r1 = tl.full(t.shape, 1.0, CD)
-        r2 = tl.full(t.shape, 1.0, CD)
+    λ_u)``; ``r1 = 1/(1 - β1^t)`` and ``r2 = 1/sqrt(1 - β2^t)`` (1 when ``corrected``, the
+    runtime bias-correction flag, is False: Note [bias-correction factors] of math.h) are
+    computed in float64 with the shape of ``t``; ``λ_u`` is λ, or 0 for decoupled weight decay."""
+    r1 = tl.where(corrected, 1.0 / bias_correction(beta1, t), 1.0).to(CD)
+    r2 = tl.where(corrected, 1.0 / tl.sqrt(bias_correction(beta2, t)), 1.0).to(CD)
     return (tl.full((), beta1, CD), tl.full((), beta2, CD), tl.full((), beta3, CD),
             tl.full((), one_minus_beta2, CD), tl.full((), eps, CD), r1, r2,
             tl.full((), lambda_in_u, CD))
@@ -111,18 +107,14 @@ def lamb_direction(w, m, v, r1, r2, eps, lambda_in_u):
 
 
 @triton.jit
-def lamb_trust_ratio(w_sq, u_sq, ratio_lo, ratio_hi, ADAPT: tl.constexpr, BOUNDED: tl.constexpr):
-    """``φ = ‖w‖ / ‖u‖`` (zero-norm rule), clamped to ``[ratio_lo, ratio_hi]`` when BOUNDED;
-    1 when not ADAPT."""
-    if ADAPT:
-        w_n = ieee_sqrt(w_sq)
-        u_n = ieee_sqrt(u_sq)
-        phi = zero_norm_rule(w_n, u_n, ieee_div(w_n, u_n))
-        if BOUNDED:
-            phi = clamp_keep_nan(phi, ratio_lo, ratio_hi)
-    else:
-        phi = tl.full((), 1.0, w_sq.dtype)
-    return phi
+def lamb_trust_ratio(w_sq, u_sq, ratio_lo, ratio_hi, adapt, bounded):
+    """``φ = ‖w‖ / ‖u‖`` (zero-norm rule), clamped to ``[ratio_lo, ratio_hi]`` when ``bounded``;
+    1 when not ``adapt`` (runtime bools: the ratio is per row)."""
+    w_n = ieee_sqrt(w_sq)
+    u_n = ieee_sqrt(u_sq)
+    phi = zero_norm_rule(w_n, u_n, ieee_div(w_n, u_n))
+    phi = tl.where(bounded, clamp_keep_nan(phi, ratio_lo, ratio_hi), phi)
+    return tl.where(adapt, phi, 1.0).to(w_sq.dtype)
 
 
 @triton.jit
@@ -135,60 +127,50 @@ def lamb_apply(w, u, lr_phi, decay):
 
 
 @triton.jit
-def lars_trust_ratio(w_sq, g_sq, kappa, lam, eps, ADAPT: tl.constexpr, COMBINED: tl.constexpr,
-                     TRUST_CLIP: tl.constexpr):
-    """``κ‖w‖ / (‖g‖ + λ‖w‖ + eps)``, or ``κ‖w‖ / (‖g + λw‖ + eps)`` when COMBINED (``g_sq`` is
-    then ``‖g + λw‖²``); zero-norm rule on ``‖w‖`` and the gradient norm; ``min(ratio, 1)`` when
-    TRUST_CLIP; 1 when not ADAPT."""
-    if ADAPT:
-        w_n = ieee_sqrt(w_sq)
-        g_n = ieee_sqrt(g_sq)
-        if COMBINED:
-            den = g_n + eps
-        else:
-            den = g_n + lam * w_n + eps
-        ratio = zero_norm_rule(w_n, g_n, ieee_div(kappa * w_n, den))
-        if TRUST_CLIP:
-            ratio = tl.where(ratio > 1.0, 1.0, ratio).to(ratio.dtype)  # NaN kept
-    else:
-        ratio = tl.full((), 1.0, w_sq.dtype)
-    return ratio
+def lars_trust_ratio(w_sq, g_sq, kappa, lam, eps, adapt, combined, trust_clip):
+    """``κ‖w‖ / (‖g‖ + λ‖w‖ + eps)``, or ``κ‖w‖ / (‖g + λw‖ + eps)`` when ``combined`` (``g_sq``
+    is then ``‖g + λw‖²``); zero-norm rule on ``‖w‖`` and the gradient norm; ``min(ratio, 1)`` when
+    ``trust_clip``; 1 when not ``adapt`` (runtime bools: the ratio is per row)."""
+    w_n = ieee_sqrt(w_sq)
+    g_n = ieee_sqrt(g_sq)
+    den = tl.where(combined, g_n + eps, g_n + lam * w_n + eps)
+    ratio = zero_norm_rule(w_n, g_n, ieee_div(kappa * w_n, den))
+    ratio = tl.where(trust_clip & (ratio > 1.0), 1.0, ratio)  # NaN kept
+    return tl.where(adapt, ratio, 1.0).to(w_sq.dtype)
 
 
 @triton.jit
-def lars_coef(t, lr, momentum, one_minus_dampening, CD: tl.constexpr, LR_IN_MOMENTUM: tl.constexpr):
+def lars_coef(t, lr, momentum, one_minus_dampening, CD: tl.constexpr, lr_in_momentum):
     """math.h's LarsCoef for steps ``t``: ``(μ, keep, add)`` in CD, ``keep``/``add`` with the shape
-    of ``t``: ``(μ, lr)`` when LR_IN_MOMENTUM, else ``(μ, 1 - dampening)``, or ``(0, 1)`` on the
-    first step (torch SGD starts the buffer as ``d``). ``lr`` is already in CD."""
+    of ``t``: ``(μ, lr)`` when ``lr_in_momentum``, else ``(μ, 1 - dampening)``, or ``(0, 1)`` on
+    the first step (torch SGD starts the buffer as ``d``). ``lr`` is already in CD."""
     mu = tl.full((), momentum, CD)
-    if LR_IN_MOMENTUM:
-        keep = tl.full(t.shape, mu, CD)
-        add = tl.full(t.shape, lr, CD)
-    else:
-        first = t == 1.0
-        keep = tl.where(first, 0.0, mu).to(CD)
-        add = tl.where(first, 1.0, tl.full((), one_minus_dampening, CD)).to(CD)
+    first = t == 1.0
+    keep = tl.where(lr_in_momentum, mu, tl.where(first, 0.0, mu)).to(CD)
+    add = tl.where(lr_in_momentum, lr, tl.where(first, 1.0, tl.full((), one_minus_dampening, CD))).to(CD)
     return mu, keep, add
 
 
 @triton.jit
-def lars_apply(w, g, v, ratio, lam, lr, mu, keep, add, NESTEROV: tl.constexpr,
-               LR_IN_MOMENTUM: tl.constexpr):
+def lars_apply(w, g, v, ratio, lam, lr, mu, keep, add, nesterov, lr_in_momentum):
     """``d = ratio·(g + λw)``, ``v ← keep·v + add·d``; returns ``(w − step, v)`` where
 
-    * LR_IN_MOMENTUM: ``step = v`` (NESTEROV: ``lr·d + μ·v``), ``keep = μ``, ``add = lr``;
-    * otherwise: ``step = lr·v`` (NESTEROV: ``lr·(d + μ·v)``), ``keep = μ`` and
+    * ``lr_in_momentum``: ``step = v`` (``nesterov``: ``lr·d + μ·v``), ``keep = μ``, ``add = lr``;
+    * otherwise: ``step = lr·v`` (``nesterov``: ``lr·(d + μ·v)``), ``keep = μ`` and
       ``add = 1 − dampening``, or ``keep = 0``, ``add = 1`` on the first step (torch SGD).
+
+    ``nesterov`` and ``lr_in_momentum`` are runtime bools, the same for every program: the
+    branches are uniform (Note [runtime flags] in kernels/tables.py).
     """
     d = ratio * (g + lam * w)
     v = keep * v + add * d
-    if LR_IN_MOMENTUM:
-        if NESTEROV:
+    if lr_in_momentum:
+        if nesterov:
             step = lr * d + mu * v
         else:
             step = v
     else:
-        if NESTEROV:
+        if nesterov:
             step = lr * (d + mu * v)
         else:
             step = lr * v

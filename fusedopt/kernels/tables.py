@@ -38,6 +38,19 @@ launches per step are constant up to that many tensors and grow by one set per f
 The limit bounds the size of one table (72 B per tensor) and of one host-to-device copy; it is a
 module attribute so tests can lower it.
 
+Note [runtime flags]: a kernel's constexprs are structural only: dtypes, whether fp32 masters
+exist, alignment and tile sizes. The hyper-parameters' variant switches (bias correction,
+adaptation, bounds, LARS's denominator, trust clip, Nesterov, lr in momentum, a tensor lr) are
+bits of one int32 ``flags`` argument that Triton does not specialize on
+(``do_not_specialize``). Each is the same for every program of a launch, so its branches are
+uniform; most select a per-tensor scalar, and LARS's Nesterov / lr-in-momentum / combined
+switches one line of per-element math. ``grad_mult`` and ``found_inf`` are always given, as a
+tensor on the bucket's device (1 and 0 when the step has none, see :func:`operand`), and a
+tensor lr travels as float64 (exact from any floating dtype). So the kernels a backend can
+launch are one per dtype combination, masters and alignment: a few hundred, all compiled in the
+tests (docs/triton_kernels.md), where constexpr switches would multiply them to tens of
+thousands, each one a compile on the first step that uses it.
+
 Note [device guard]: Triton launches on ``torch.cuda.current_device()`` and that device's current
 stream. Every launch (and compilation) runs under a guard of its table's device, so a bucket on
 ``cuda:1`` runs in cuda:1's context, ordered after the work queued on cuda:1's current stream,
@@ -79,6 +92,16 @@ REDUCE_BLOCK = 128
 # Columns of a record (kernels/common.py reads them by these numbers).
 PARAM, GRAD, MASTER, STATE0, STATE1, STEP, NUMEL, FIRST_CHUNK, OUT = range(9)
 RECORD = 9
+# Bits of ``flags`` (Note [runtime flags]); kernels/common.py reads them by these numbers.
+FLAG_BITS = dict(LR_TENSOR=1, BIAS_CORRECTION=2, ADAPT=4, BOUNDED=8, COMBINED=16, TRUST_CLIP=32,
+                 NESTEROV=64, LR_IN_MOMENTUM=128)
+LR_TENSOR, BIAS_CORRECTION, ADAPT, BOUNDED, COMBINED, TRUST_CLIP, NESTEROV, LR_IN_MOMENTUM = (
+    FLAG_BITS.values())
+
+
+def flags(**switches: bool) -> int:
+    """The ``flags`` argument with the named bits (FLAG_BITS) set where the switch is True."""
+    return sum(FLAG_BITS[name] for name, on in switches.items() if on)
 
 _launches = 0
 _builds = 0
@@ -99,9 +122,12 @@ class KernelCompileError(KernelError, BackendCompileError):
 
 
 def specialization(kwargs: dict) -> str:
-    """The constexpr arguments of a launch (upper-case names by convention) and the dtypes of its
-    tensor arguments, as a readable string."""
+    """The constexpr arguments of a launch (upper-case names by convention), its runtime flags
+    and the dtypes of its scalar tensor arguments, as a readable string."""
     parts = [f"{k}={v}" for k, v in kwargs.items() if k.isupper()]
+    if "flags" in kwargs:
+        parts.append("flags=" + ("|".join(k for k, bit in FLAG_BITS.items() if kwargs["flags"] & bit)
+                                 or "0"))
     parts += [f"{k}:{v.dtype}".replace("torch.", "") for k, v in kwargs.items()
               if isinstance(v, torch.Tensor) and k in ("grad_mult", "found_inf", "lr_ptr")]
     return "(" + ", ".join(parts) + ")"
@@ -185,9 +211,26 @@ class TableStore:
         self.entries: dict[str, tuple[tuple, list[Table]]] = {}
 
 
-_CAPTURE_MSG = ("fusedopt triton backend: a pointer table had to be built during CUDA graph "
-                "capture (the bucket's tensors moved, or this bucket never stepped): run one step "
-                "with the same tensors before capturing")
+_operands: dict[tuple, torch.Tensor] = {}
+
+
+def operand(device: torch.device, dtype: torch.dtype, value: float) -> torch.Tensor:
+    """A 0-dim tensor holding ``value`` on ``device``, made once per process and never written
+    (Note [runtime flags]: the ``grad_mult`` of 1 or ``found_inf`` of 0 that a step without them
+    passes, and the unused ``lr_ptr`` of a number lr). Under CUDA-graph capture one that does
+    not exist yet raises, as a table does."""
+    key = (device, dtype, value)
+    t = _operands.get(key)
+    if t is None:
+        if capturing(device):
+            raise RuntimeError(_CAPTURE_MSG)
+        t = _operands[key] = torch.full((), value, dtype=dtype, device=device)
+    return t
+
+
+_CAPTURE_MSG = ("fusedopt triton backend: a pointer table or a constant operand had to be made "
+                "during CUDA graph capture (the bucket's tensors moved, or this bucket never "
+                "stepped): run one step with the same tensors before capturing")
 
 
 def capturing(device: torch.device) -> bool:
