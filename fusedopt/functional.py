@@ -314,6 +314,7 @@ def _grad_multipliers(plan, total, grad_scale):
     return mults
 
 
+@torch.no_grad()
 def trust_ratio_step(
     kind: str,
     groups: Sequence[TensorGroup],
@@ -410,7 +411,6 @@ class StepOptions(TypedDict, total=False):
     skipped_steps: torch.Tensor | None  # counts the steps skip_nonfinite skipped
 
 
-@torch.no_grad()
 def lamb(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -452,7 +452,6 @@ def lamb(
                dict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs), step)
 
 
-@torch.no_grad()
 def lars(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

@@ -105,3 +105,21 @@ def test_skip_nonfinite_with_grad_scaler(backend):
     ps[1].grad[0] = float("inf")
     opt.step()
     assert all(torch.equal(p, q) for p, q in zip(ps, before)) and int(opt.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trust_ratio_step_takes_params_that_require_grad(backend):
+    """The public step writes leaf params that require grad in place (as the optimizer's
+    ``step()`` does under no_grad), and matches :func:`functional.lamb` on the same tensors."""
+    from fusedopt._hyper import LAMB_DEFAULTS, lamb_hyper
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(10))
+    q = p.detach().clone()
+    g = torch.randn(10)
+    states = [([torch.zeros(())], [torch.zeros(10)], [torch.zeros(10)]) for _ in range(2)]
+    group = functional.TensorGroup([p], [g], states[0][0], exp_avgs=states[0][1],
+                                   exp_avg_sqs=states[0][2], backend=backend,
+                                   hyper=lamb_hyper({**LAMB_DEFAULTS, "lr": 0.1}))
+    functional.trust_ratio_step("lamb", [group])
+    functional.lamb([q], [g], states[1][1], states[1][2], states[1][0], lr=0.1, backend=backend)
+    assert p.requires_grad and torch.equal(p.detach(), q) and not torch.equal(q, g)
