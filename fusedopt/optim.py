@@ -41,6 +41,15 @@ def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
         buffer.untyped_storage(), offset, shape)
 
 
+def _guard_on(tensors) -> None:
+    """Note [traced flat state]: under dynamo, make the traced step's guards cover ``tensors``
+    (reading an attribute realizes each one's lazy variable, and with it the guard on its
+    identity) although the graph does not use them (dynamo then drops them as inputs)."""
+    for x in tensors:
+        if x is not None:
+            _ = x.dtype
+
+
 @dataclass
 class _Lists:
     """A param group's lists as the last step gathered them (Note [list cache])."""
@@ -97,6 +106,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._checked: dict[int, tuple] = {}  # Note [option checks]
         self._pending: tuple[list, list] | None = None  # Note [refused steps]
         self._workspaces: dict[int, dict] = {}
+        self._bases: tuple[int, dict] = (-1, {})  # Note [traced flat state]
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- groups
@@ -239,25 +249,27 @@ class _TrustRatioOptimizer(Optimizer):
 
     # ----------------------------------------------------------------- step
     def _init_group(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
-                    masters, sources) -> bool:
+                    masters, sources, bases=None) -> tuple[bool, tuple | None]:
         """Append the group's params that have grads, and their tensors, to the lists (torch's
         ``_init_group`` shape: ``torch.compile`` runs it at trace time); create missing state.
         Params are the local shards of DTensors (``sources`` then holds the DTensors). Raises,
-        with nothing changed, on what no backend can step. Returns whether params are sharded."""
+        with nothing changed, on what no backend can step. Returns whether params are sharded,
+        and with ``bases`` (a list: a traced step) the state as views of the bases it appends
+        there (Note [traced flat state]), None otherwise."""
         from .functional import check_tensors
 
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         ps = [p for p in group["params"] if p.grad is not None]
         if not ps:
-            return False
+            return False, None
         sharded = any(hasattr(p, "to_local") for p in ps)
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(p.grad) for p in ps]
         check_tensors(self._kind, gi, lps, lgs)
         # resolved here, before any state exists, so that a refused backend changes nothing (and
         # loaded here, outside what torch.compile traces)
-        for key in {(p.device, p.dtype, g.dtype) for p, g in zip(lps, lgs)}:
-            _backends.resolve(group["backend"], *key)
+        chosen = {_backends.resolve(group["backend"], *key).name
+                  for key in {(p.device, p.dtype, g.dtype) for p, g in zip(lps, lgs)}}
         if len(set(map(id, ps))) != len(ps):
             raise ValueError(f"{type(self).__name__}: param group {gi} holds the same param twice")
         name = type(self).__name__
@@ -289,6 +301,8 @@ class _TrustRatioOptimizer(Optimizer):
         else:
             for p in stale:
                 del self.state[p]["master_param"]
+        layout = (self._state_layout(group, ps, bases)
+                  if bases is not None and not sharded and "eager" not in chosen else None)
         for p, lp in zip(ps, lps):
             st = self.state[p]
             params.append(lp)
@@ -303,7 +317,48 @@ class _TrustRatioOptimizer(Optimizer):
                 momentum_buffers.append(_local(st["momentum_buffer"]))
             if sharded:
                 sources.append(p)
-        return sharded
+        return sharded, layout
+
+    def _state_layout(self, group, ps, bases: list) -> tuple:
+        """Note [traced flat state]: the flat state (Note [flat state]) is tensors that share a
+        storage and that a step writes. Given to a traced step as graph inputs, they would alias
+        each other, and AOTAutograd would clone their storage once per tensor and copy it back
+        around the operators (time that grows with the square of the tensor count). A traced step
+        gets instead one tensor per storage (``bases``: each spans its storage, the same object
+        for as long as the state is not edited, which the guards on it check) and builds each
+        state tensor as a view of it in the graph. Returns, per list (steps, exp_avgs,
+        exp_avg_sqs, momentum_buffers, masters), ``(base index, storage offset, shape, stride)``
+        of each entry (None: no master), constants of the trace. The state tensors themselves are
+        still appended to the lists, which the traced step then replaces by the views: dynamo
+        guards on them, so a step after their replacement (``load_state_dict``) compiles again
+        instead of writing the old storages. Only for the backends that run as operators:
+        inductor fuses the eager backend's foreach operations, clones included, and views of the
+        bases made its compile slower without making its step faster (docs/performance.md)."""
+        if self._bases[0] != self.state.edits:
+            self._bases = (self.state.edits, {})
+        cache, index = self._bases[1], {}
+
+        def entry(t):
+            if t is None:
+                return None
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), t.device, t.dtype)
+            if key not in index:
+                base = cache.get(key)
+                if base is None:
+                    base = cache[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+                index[key] = len(bases)
+                bases.append(base)
+            return index[key], t.storage_offset(), tuple(t.shape), tuple(t.stride())
+
+        keys = ("exp_avg", "exp_avg_sq") if self._kind == "lamb" else ("momentum_buffer",)
+        states = [self.state[p] for p in ps]
+        columns = [tuple(entry(st["step"]) for st in states)]
+        columns += [tuple(entry(st[k]) for st in states) if k in keys else None
+                    for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
+        columns.append(tuple(entry(st.get("master_param") if self._uses_master(group, p) else None)
+                             for p, st in zip(ps, states)))
+        return tuple(columns)
 
     def _group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
         """The group's TensorGroup, from the list cache when nothing changed (Note [list cache])."""
@@ -337,14 +392,22 @@ class _TrustRatioOptimizer(Optimizer):
         groups = []
         for gi, group in enumerate(self.param_groups):
             self._named(gi, self._check_options, group)
-            groups.append(self._gather(group))
+            groups.append(self._gather(group, traced=True))
         return groups
 
-    def _gather(self, group: dict[str, Any], **kw) -> TensorGroup:
-        """The group's lists from :meth:`_init_group` as a TensorGroup (``kw``: its cache)."""
+    def _gather(self, group: dict[str, Any], traced: bool = False, **kw) -> TensorGroup:
+        """The group's lists from :meth:`_init_group` as a TensorGroup (``kw``: its cache);
+        ``traced``: state as views of its storages (Note [traced flat state])."""
         params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists = (
             [], [], [], [], [], [], [], [])
-        sharded = self._init_group(group, *lists)
+        bases = [] if traced else None
+        sharded, layout = self._init_group(group, *lists, bases)
+        if layout is not None:
+            _guard_on(chain(steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters))
+            steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters = (
+                None if column is None else
+                [None if e is None else bases[e[0]].as_strided(e[2], e[3], e[1]) for e in column]
+                for column in layout)
         lamb = self._kind == "lamb"
         return TensorGroup(
             params, grads, steps, hyper=self._hyper(group),
