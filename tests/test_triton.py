@@ -298,8 +298,8 @@ def test_failed_launch_names_the_kernel_and_resets_the_counters():
 
 
 def test_capture_never_builds_a_table(monkeypatch):
-    """During CUDA-graph capture a table that would have to be built raises (its buffers must
-    exist before the capture); the tables a bucket already owns are used as they are."""
+    """During CUDA-graph capture a table or constant operand that would have to be made raises
+    (its buffers must exist before the capture); those that exist are used as they are."""
     store = tables.TableStore()
     xs = [torch.ones(3, device=DEVICE)]
     built = tables.tables([xs], store)
@@ -307,6 +307,13 @@ def test_capture_never_builds_a_table(monkeypatch):
     assert tables.tables([xs], store) is built
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
         tables.tables([[torch.ones(4, device=DEVICE)]], store)
+    # Note [runtime flags]: the constant operands are made before capture as well
+    monkeypatch.setattr(tables, "capturing", lambda device: False)
+    one = tables.operand(torch.device(DEVICE), torch.float32, 1.0)
+    monkeypatch.setattr(tables, "capturing", lambda device: True)
+    assert tables.operand(torch.device(DEVICE), torch.float32, 1.0) is one
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        tables.operand(torch.device(DEVICE), torch.float32, 0.5)
 
 
 def test_alignment_is_decided_per_tensor(monkeypatch):
