@@ -262,3 +262,28 @@ def test_compiled_steps_across_a_checkpoint_match_eager(backend):
         else:
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert float(next(iter(opts[0].state.values()))["step"]) == 4
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_step_with_a_number_lr_matches_eager(backend, kind):
+    """A Python-number lr (a constant of the graph) reaches the update as it does uncompiled."""
+    models = [_model(), _model()]
+    groups = [fusedopt.param_groups(m, weight_decay=0.01) for m in models]
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opts = [cls(g, lr=0.05, backend=backend) for g in groups]
+    x, y = _data()
+    torch._dynamo.reset()
+    steps = [torch.compile(opts[0].step), opts[1].step]
+    for model, opt, step in zip(models, opts, steps):
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            step()
+    start = _model()
+    for p, q, s in zip(models[0].parameters(), models[1].parameters(), start.parameters()):
+        assert not torch.equal(p, s)
+        if backend in ("cpp", "triton"):
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

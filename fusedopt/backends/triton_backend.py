@@ -305,9 +305,10 @@ _op_workspaces: OrderedDict = OrderedDict()
 
 
 def _floats(h) -> list[float]:
-    """``h``'s fields but lr, in declaration order, as floats (True 1, None NaN)."""
-    return [math.nan if v is None else float(v)
-            for v in (getattr(h, f.name) for f in dataclasses.fields(h) if f.name != "lr")]
+    """``h``'s fields in declaration order as floats (True 1, None and a tensor lr NaN); a
+    tensor lr travels beside them (:func:`_tensor_lr`)."""
+    return [math.nan if v is None or isinstance(v, torch.Tensor) else float(v)
+            for v in (getattr(h, f.name) for f in dataclasses.fields(h))]
 
 
 def _tensor_lr(h) -> torch.Tensor | None:
@@ -315,14 +316,15 @@ def _tensor_lr(h) -> torch.Tensor | None:
 
 
 def _hyper(kind: str, floats: list[float], lr: torch.Tensor | None):
-    """The inverse of :func:`_floats` (a number lr, which the passes do not read, becomes 0)."""
+    """The inverse of :func:`_floats`, with ``lr`` the tensor lr (None: a number lr)."""
     values = {}
-    fields = [f for f in dataclasses.fields(_HYPER[kind]) if f.name != "lr"]
-    for f, v in zip(fields, floats):
+    for f, v in zip(dataclasses.fields(_HYPER[kind]), floats):
         kind_of = str(f.type)
         values[f.name] = (bool(v) if kind_of == "bool"
                           else None if "None" in kind_of and math.isnan(v) else v)
-    return _HYPER[kind](lr=0.0 if lr is None else lr, **values)
+    if lr is not None:
+        values["lr"] = lr
+    return _HYPER[kind](**values)
 
 
 def _op_workspace(tensors) -> dict:
