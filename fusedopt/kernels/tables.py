@@ -70,11 +70,11 @@ from ..backends import BackendCompileError
 # Note [launch limit]
 MAX_TENSORS_PER_LAUNCH = 32768
 # Elements per chunk; chunks per program (rows of a tile); columns of a tile. Powers of two.
-# Compiled for sm_90, LAMB's pass 1 needs 64 registers a thread with one row of 1024 columns and
-# 4 warps, 96 with 2 x 512 and 239 with 4 x 512 (each row's pointers are 64-bit per element), so
-# the GPU default is one chunk per program. The interpreter's cost is per program and per
-# operation, not per element, so under it the kernels take many rows of wide tiles; those tiles
-# are for the interpreter only (compiled, they spill and take minutes to build).
+# Compiled, every row of a tile carries 64-bit pointers per element, so registers grow with the
+# rows (docs/triton_kernels.md, "Tile sizes"): the GPU default is one chunk per program. The
+# interpreter's cost is per program and per operation, not per element, so under it the kernels
+# take many rows of wide tiles; those tiles are for the interpreter only (compiled, they spill
+# and take minutes to build).
 CHUNK_SIZE = 16384
 ROWS = 1
 BLOCK_SIZE = 1024
