@@ -120,15 +120,15 @@ class TritonBackend(Backend):
 
     # -------------------------------------------------------------- shared
     @staticmethod
-    def _store(b: Bucket):
-        """The bucket's TableStore (Note [table ownership] in kernels/tables.py), or None for a
-        one-off bucket."""
-        if b.workspace is None:
+    def _store(workspace: dict | None):
+        """The TableStore of a bucket's workspace (Note [table ownership] in kernels/tables.py),
+        or None for a one-off bucket (no workspace)."""
+        if workspace is None:
             return None
-        store = b.workspace.get("triton")
+        store = workspace.get("triton")
         if store is None:
             from ..kernels.tables import TableStore
-            store = b.workspace["triton"] = TableStore()
+            store = workspace["triton"] = TableStore()
         return store
 
     def _structure(self, b: Bucket, table, found_inf) -> dict:
@@ -150,6 +150,11 @@ class TritonBackend(Backend):
             return self.k.tables.operand(b.device, b.compute_dtype, 1.0)
         return grad_mult
 
+    def _tables(self, b: Bucket, state: list) -> list:
+        """The tables of both passes over ``b`` (``state``: the kind's two state lists)."""
+        return self.k.tables.tables([b.params, b.grads, b.masters, *state, b.steps],
+                                    self._store(b.workspace))
+
     def _pass1(self, kernel, b: Bucket, state: list, grad_mult, found_inf, run=None,
                **scalars) -> torch.Tensor:
         """Launch a pass-1 kernel on every table of the bucket; returns the ``[n, 2]`` sums.
@@ -157,7 +162,7 @@ class TritonBackend(Backend):
         t = self.k.tables
         cd = b.compute_dtype
         sums = torch.empty(len(b.params), 2, dtype=cd, device=b.device)
-        tabs = t.tables([b.params, b.grads, b.masters, *state, b.steps], self._store(b))
+        tabs = self._tables(b, state)
         run = run or t.launch
         for table in tabs:
             run(kernel, table, **self._structure(b, table, found_inf),
@@ -204,7 +209,7 @@ class TritonBackend(Backend):
     def grad_sq_norms(self, b: Bucket, run=None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # Note [triton operators]
             return torch.ops.fusedopt.triton_sq_norms(b.grads)
-        return self.sq_norms(b.grads, self._store(b), run)
+        return self.sq_norms(b.grads, self._store(b.workspace), run)
 
     def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
                 clip: bool) -> None:
@@ -351,15 +356,10 @@ def _backend() -> TritonBackend:
     return get_backend("triton")
 
 
-def _tables_for_pass2(be: TritonBackend, b: Bucket, state: list) -> None:
-    b.scratch["tables"] = be.k.tables.tables([b.params, b.grads, b.masters, *state, b.steps],
-                                             be._store(b))
-
-
 @torch.library.custom_op("fusedopt::triton_sq_norms", mutates_args=())
 def _sq_norms_op(tensors: list[torch.Tensor]) -> torch.Tensor:
     be = _backend()
-    return be.sq_norms(tensors, _op_workspace(tensors).setdefault("triton", be.k.tables.TableStore()))
+    return be.sq_norms(tensors, be._store(_op_workspace(tensors)))
 
 
 @_sq_norms_op.register_fake
@@ -394,7 +394,7 @@ def _lamb_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    found_inf: Optional[torch.Tensor]) -> None:
     be, h = _backend(), _hyper("lamb", hyper, lr)
     b = _op_bucket(params, grads, masters, steps, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
-    _tables_for_pass2(be, b, [b.exp_avgs, b.exp_avg_sqs])
+    b.scratch["tables"] = be._tables(b, [b.exp_avgs, b.exp_avg_sqs])  # pass 1's, from the store
     be.lamb_pass2(b, h, sums, found_inf)
 
 
@@ -419,7 +419,7 @@ def _lars_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    found_inf: Optional[torch.Tensor]) -> None:
     be, h = _backend(), _hyper("lars", hyper, lr)
     b = _op_bucket(params, grads, masters, steps, momentum_buffers=momentum_buffers)
-    _tables_for_pass2(be, b, [b.momentum_buffers, None])
+    b.scratch["tables"] = be._tables(b, [b.momentum_buffers, None])  # pass 1's, from the store
     be.lars_pass2(b, h, sums, grad_mult, found_inf)
 
 
