@@ -35,8 +35,8 @@ from ._hyper import (LambHyper, LarsHyper, check_backend_name, check_representab
                      lars_hyper, validate_lamb_group, validate_lars_group)
 from .flat import _dense_layout
 
-__all__ = ["Bucket", "SqSumReducer", "StepOptions", "TensorGroup", "bias_correction", "compute_dtype", "lamb",
-           "lars", "sq_norms", "trust_ratio_step"]
+__all__ = ["Bucket", "SqSumReducer", "StepOptions", "TensorGroup", "bias_correction",
+           "compute_dtype", "lamb", "lars", "sq_norms", "trust_ratio_step"]
 
 
 @dataclass
