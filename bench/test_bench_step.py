@@ -1,4 +1,4 @@
-"""pytest-benchmark flavour of ``python -m fusedopt.bench`` (not part of the test suite).
+"""pytest-benchmark flavour of ``python -m fusedopt.tools.bench`` (not part of the test suite).
 
     python -m pytest bench/ --benchmark-columns=median,iqr,rounds
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fusedopt
-from fusedopt.bench import BYTES_PER_ELEMENT, bert_base_shapes, make_params
+from fusedopt.tools.bench import BYTES_PER_ELEMENT, bert_base_shapes, make_params
 
 SETS = {"bert2": bert_base_shapes(layers=2, vocab=4000), "small500": [(2500,)] * 500}
 OPTS = {

@@ -1,8 +1,11 @@
 """Command line: ``python -m fusedopt {check,demo,bench} [options]`` (also the ``fusedopt`` script).
 
-``check`` runs :mod:`fusedopt.check` (every backend on every device against the float64
-reference, then a short speed table); ``demo`` runs :mod:`fusedopt.demo` (small vs large batch on
-scikit-learn's digits); ``bench`` forwards its arguments to :func:`fusedopt.bench.main`.
+``check`` runs :mod:`fusedopt.tools.check` (every backend on every device against the float64
+reference, then a short speed table); ``demo`` runs :mod:`fusedopt.tools.demo` (small vs large
+batch on scikit-learn's digits) and ``demo sweep`` :mod:`fusedopt.tools.sweep` (the batch-size
+sweep); ``bench`` forwards its arguments to :func:`fusedopt.tools.bench.main`.
+
+Bad options are refused before any work starts: an ``error:`` line on stderr, exit status 2.
 """
 from __future__ import annotations
 
@@ -28,15 +31,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "check":
-        from . import check
+        from .tools import check
 
         return check.main(rest)
     if cmd == "demo":
-        from . import demo
+        if rest[:1] == ["sweep"]:
+            from .tools.sweep import cli as sweep_cli
+
+            return sweep_cli.main(rest[1:])
+        from .tools import demo
 
         return demo.main(rest)
     if cmd == "bench":
-        from . import bench
+        from .tools import bench
 
         rc = bench.main(rest)
         return 0 if rc is None else int(rc)

@@ -2,7 +2,7 @@
 """Set up a virtual environment in .venv and run one of the project's jobs. Needs only python3.
 
     python3 scripts/dev.py demo [args]    # the large-batch training demo (the main job)
-    python3 scripts/dev.py test [args]    # the test suite (what CI runs)
+    python3 scripts/dev.py test [args]    # the test suite (what CI runs), the slowest 25 listed
     python3 scripts/dev.py bench [args]   # the step-time benchmark table
 
 torch is installed first, from FUSEDOPT_TORCH (default ``torch==2.13.0``: a CPU build on our
@@ -69,9 +69,11 @@ def main() -> int:
     if job == "demo":
         cmd = [str(PY), "-m", "fusedopt", "demo", *args]
     elif job == "bench":
-        cmd = [str(PY), "-m", "fusedopt.bench", *args]
+        cmd = [str(PY), "-m", "fusedopt.tools.bench", *args]
     else:
-        cmd = [str(PY), "-m", "pytest", "-n", "2", "--dist", "loadfile", "-q", *args]
+        # the 25 slowest tests are listed (setup, where the builds happen, counted apart)
+        cmd = [str(PY), "-m", "pytest", "-n", "2", "--dist", "loadfile", "-q", "--durations=25",
+               *args]
     print("+", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
 

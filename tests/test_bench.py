@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fusedopt
-from fusedopt import bench
+from fusedopt.tools import bench
 
 
 def test_quick_bench_prints_the_table(capsys):

@@ -13,7 +13,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-from fusedopt import demo  # noqa: E402
+from fusedopt.tools import demo  # noqa: E402
 from fusedopt.__main__ import main as cli_main  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,7 +138,7 @@ def test_cli_module_entry_point():
 
 
 def test_cli_dispatch(monkeypatch, capsys):
-    import fusedopt.bench as bench
+    import fusedopt.tools.bench as bench
 
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv=None: seen.append(argv))

@@ -13,15 +13,15 @@ and timm.
   (the torch-SGD momentum form with dampening and Nesterov).
 
 apex FusedLAMB (``use_nvlamb=True, max_grad_norm=0``) is documented in docs/math.md; it needs CUDA.
-timm is loaded by :func:`fusedopt.bench.timm_optimizers`, the benchmark's loader of the same timm
-classes it times (its optimizer modules without its model zoo, which needs torchvision).
+timm is loaded by :func:`fusedopt.tools.bench.timm_optimizers`, the benchmark's loader of the same
+timm classes it times (its optimizer modules without its model zoo, which needs torchvision).
 """
 import numpy as np
 import pytest
 import torch
 
 import fusedopt
-from fusedopt.bench import timm_optimizers
+from fusedopt.tools.bench import timm_optimizers
 
 jax = pytest.importorskip("jax", reason="jax/optax are installed by requirements-dev.txt")
 optax = pytest.importorskip("optax", reason="optax is installed by requirements-dev.txt")

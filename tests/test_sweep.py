@@ -17,7 +17,7 @@ pytest.importorskip("tqdm")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fusedopt import sweep  # noqa: E402
+from fusedopt.tools.sweep import cli, config, fit, report  # noqa: E402
 from fusedopt.__main__ import main as cli_main  # noqa: E402
 
 BATCHES = np.array([16, 32, 64, 128, 256, 512, 1024, 2048], dtype=float)
@@ -45,7 +45,7 @@ def _points(s_min, b_crit, batches=BATCHES, noise=0.0, seed=0):
 def test_fit_is_exact_on_the_hyperbola(s_min, b_crit, n, start):
     batches = 2.0 ** np.arange(start, start + n) * 8
     s, e = _points(s_min, b_crit, batches)
-    got_s, got_e = sweep.fit_hyperbola(s, e)
+    got_s, got_e = fit.fit_hyperbola(s, e)
     assert got_s == pytest.approx(s_min, rel=1e-6)
     assert got_e == pytest.approx(s_min * b_crit, rel=1e-6)
     # the fitted curve passes through the points: (S/S_min - 1)(E/E_min - 1) = 1
@@ -58,7 +58,7 @@ def test_fit_recovers_known_hyperbola_from_noisy_points(s_min, b_crit, seed):
     # 3% scatter in the step counts, the batch range spanning B_crit on both sides: S_min and
     # E_min come back within 10% (B_crit = E_min/S_min within 15%).
     s, e = _points(s_min, b_crit, noise=0.03, seed=seed)
-    got_s, got_e = sweep.fit_hyperbola(s, e)
+    got_s, got_e = fit.fit_hyperbola(s, e)
     assert got_s == pytest.approx(s_min, rel=0.10)
     assert got_e == pytest.approx(s_min * b_crit, rel=0.10)
     assert got_e / got_s == pytest.approx(b_crit, rel=0.15)
@@ -71,11 +71,11 @@ def test_bootstrap_interval_covers_the_truth():
     s_min, b_crit = 30.0, 300.0
     steps = {int(b): list(s_min * (1 + b_crit / b) * np.exp(rng.normal(0, 0.05, 4)))
              for b in BATCHES}
-    fit = sweep.bootstrap_fit(steps, 300, np.random.default_rng(0))
-    assert fit["b_crit"] == pytest.approx(b_crit, rel=0.15)
-    assert fit["b_crit_lo"] < fit["b_crit"] < fit["b_crit_hi"]
-    assert fit["b_crit_lo"] < b_crit * 1.1 and fit["b_crit_hi"] > b_crit * 0.9
-    assert fit["boot_ok"] == 300
+    res = fit.bootstrap_fit(steps, 300, np.random.default_rng(0))
+    assert res["b_crit"] == pytest.approx(b_crit, rel=0.15)
+    assert res["b_crit_lo"] < res["b_crit"] < res["b_crit_hi"]
+    assert res["b_crit_lo"] < b_crit * 1.1 and res["b_crit_hi"] > b_crit * 0.9
+    assert res["boot_ok"] == 300
 
 
 @pytest.mark.parametrize("s, e, message", [
@@ -89,8 +89,8 @@ def test_bootstrap_interval_covers_the_truth():
     ([10.0, 20.0, 40.0], [160.0, 640.0, 2560.0], "no trade-off"),
 ])
 def test_fit_refuses_points_without_a_hyperbola(s, e, message):
-    with pytest.raises(sweep.FitError, match=message):
-        sweep.fit_hyperbola(s, e)
+    with pytest.raises(fit.FitError, match=message):
+        fit.fit_hyperbola(s, e)
 
 
 # ------------------------------------------------------------------------------- end to end
@@ -121,8 +121,8 @@ def test_tiny_sweep_end_to_end(tiny_run):
         assert [c["batch"] for c in per_batch.values()] == [16, 128, n]
         for cell in per_batch.values():
             # the LR is the rule's prediction times the multiplier chosen in tuning
-            spec = sweep.OPTIMIZERS[name]
-            rule = sweep.rule_lr(spec, cell["batch"], sweep.SWEEP["base_batch"])
+            spec = config.OPTIMIZERS[name]
+            rule = config.rule_lr(spec, cell["batch"], config.SWEEP["base_batch"])
             assert cell["lr"] == pytest.approx(rule * cell["multiplier"])
             assert cell["multiplier"] in (0.5, 1.0)
             assert len(cell["runs"]) == 2
@@ -132,7 +132,7 @@ def test_tiny_sweep_end_to_end(tiny_run):
                     assert r["final_loss"] <= 0.5 and r["final_accuracy"] >= 0.5
                     # every step is evaluated while 3% of the steps is less than one step, so
                     # small step counts are exact; larger ones are resolved within 3%
-                    assert r["resolution"] < sweep.SWEEP["eval_ratio"]
+                    assert r["resolution"] < config.SWEEP["eval_ratio"]
                     if r["steps"] <= 34:
                         assert r["resolution"] == 0
                     # probes at initialization and at every level down to the target
@@ -166,13 +166,13 @@ def test_unreached_pair_is_a_table_row_not_dropped():
         "1024": dict(batch=1024, lr=40.0, multiplier=0.5,
                      runs=[run("diverged", None), run("reached", 30)]),
     }}
-    table = sweep.format_runs_table(cfg, results, 1438)
+    table = report.format_runs_table(cfg, results, 1438)
     row = next(r for r in _cells(table) if r[1] == "1024")
     assert row[4] == "diverged / 30" and row[5] == "not reached (1/2)" and row[6] == "-"
-    summary = sweep.summarize(cfg, results, noise=False)
+    summary = fit.summarize(cfg, results, noise=False)
     assert summary["lars"]["batches_in_fit"] == [16]
     assert "only 1 batch size" in summary["lars"]["fit_error"]
-    assert "n/a: only 1 batch size" in sweep.format_summary_table(cfg, summary, noise=False)
+    assert "n/a: only 1 batch size" in report.format_summary_table(cfg, summary, noise=False)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -226,8 +226,8 @@ def test_tune_only_and_quick_configuration(tmp_path, capsys):
     assert cell["found"] and cell["multiplier"] in (1.0, 2.0)
     assert (tmp_path / "sweep_tuning.md").exists() and not (tmp_path / "sweep.png").exists()
     # --quick swaps in its own defaults; explicit options still win
-    cfg = sweep._config(sweep.build_parser().parse_args(["--quick"]))
-    assert cfg["batches"] == sweep.QUICK["batches"]
-    assert cfg["probe_windows"] == sweep.QUICK["probe_windows"]
-    cfg = sweep._config(sweep.build_parser().parse_args(["--quick", "--batches", "16,full"]))
+    cfg = config.make_config(cli.build_parser().parse_args(["--quick"]))
+    assert cfg["batches"] == config.QUICK["batches"]
+    assert cfg["probe_windows"] == config.QUICK["probe_windows"]
+    cfg = config.make_config(cli.build_parser().parse_args(["--quick", "--batches", "16,full"]))
     assert cfg["batches"] == (16, "full")

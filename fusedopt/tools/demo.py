@@ -1,6 +1,6 @@
 """Large-batch training demo: ``python -m fusedopt demo`` and ``python -m fusedopt demo sweep``.
 
-``demo sweep`` (:mod:`fusedopt.sweep`) is the batch-size sweep: steps and examples to a fixed
+``demo sweep`` (:mod:`fusedopt.tools.sweep`) is the batch-size sweep: steps and examples to a fixed
 target at every batch size from 16 to the whole training set, for SGD with the linear scaling
 rule, LARS and LAMB, with the fit of McCandlish et al.'s ``(S/S_min − 1)(E/E_min − 1) = 1`` and
 the critical batch size next to the measured gradient noise scale.
@@ -27,7 +27,6 @@ The test set is only used for the reported numbers; the LR grids were searched w
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import json
 import math
@@ -38,6 +37,14 @@ from typing import Any
 
 import torch
 
+from ..schedules import DECAYS
+from . import digits
+from .common import (MAX_EPOCHS, PROBE_WINDOWS, SEED, Check, Choice, DemoError, Number, Text,
+                     check_option, make_out_dir, md_table, parse_device, parse_overrides,
+                     threads_check, torch_threads)
+from .digits import (accuracy, exact_noise_scale, load_data, make_model, make_optimizer,
+                     noise_probe)
+
 # --------------------------------------------------------------------------------------------
 # Hyper-parameters. Searched on the validation split (``--eval-on val``, 20% of the training
 # set, seeds 0 and 1), never on the test set; each tunable recipe got the same LR grid size,
@@ -45,14 +52,14 @@ import torch
 # --------------------------------------------------------------------------------------------
 COMMON: dict[str, Any] = dict(
     epochs=30,            # same budget (epochs = examples seen) for every run
-    hidden=(256, 256),    # MLP 64 -> 256 -> 256 -> 10, ReLU
+    hidden=digits.HIDDEN,  # MLP 64 -> 256 -> 256 -> 10, ReLU (the sweep's too)
     small_batch=32,
     large_batch=512,      # 16x
     # Gradient-noise-scale probes: B_small = 32, B_big = 512 (16 micro-batches of 32, drawn
     # with replacement, i.e. i.i.d. from the training set as the estimator assumes), averaged
     # over `probe_windows` big batches at a fixed parameter vector.
-    probe_micro_batch=32,
-    probe_micro_batches=16,
+    probe_micro_batch=digits.PROBE_MICRO_BATCH,      # 32
+    probe_micro_batches=digits.PROBE_MICRO_BATCHES,  # 16
     probe_windows=32,
     early_epoch_fraction=0.1,  # "early" probe after this fraction of the epochs (at least 1)
 )
@@ -95,125 +102,93 @@ RUN_ORDER = list(RECIPES)
 
 
 # --------------------------------------------------------------------------------------------
-# data
+# what --set RUN.KEY=VALUE may set, and the check of each value
 # --------------------------------------------------------------------------------------------
-class DemoError(Exception):
-    """A user-facing error of the demo (bad option, missing optional dependency)."""
+class LR(Check):
+    """A recipe's LR: a finite number > 0, or ``"=other"`` / ``"=other*k"``: another recipe's
+    LR (times a finite ``k > 0``). :func:`resolve_lr` follows the references."""
+
+    expected = (f"{digits.LR_VALUE.expected}, or '=RECIPE' / '=RECIPE*FACTOR' (another "
+                "recipe's LR, times a finite FACTOR > 0)")
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            lr_reference(value)
+            return value
+        try:
+            return digits.LR_VALUE(value)
+        except ValueError:
+            raise ValueError(self.expected) from None
 
 
-def _stratified_split(y: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (keep, held_out) with ``fraction`` of every class held out."""
-    g = torch.Generator().manual_seed(seed)
-    keep, held = [], []
-    for c in torch.unique(y):
-        idx = torch.nonzero(y == c).flatten()
-        idx = idx[torch.randperm(len(idx), generator=g)]
-        n_held = max(1, round(fraction * len(idx)))
-        held.append(idx[:n_held])
-        keep.append(idx[n_held:])
-    return torch.cat(keep).sort().values, torch.cat(held).sort().values
+def lr_reference(text: str) -> tuple[str, float]:
+    """``"=ref*factor"`` -> ``(ref, factor)`` (factor 1 without ``*``); ValueError if malformed."""
+    ref, star, factor = text[1:].partition("*")
+    if not text.startswith("=") or not ref.strip():
+        raise ValueError(LR.expected)
+    k = 1.0
+    if star:
+        try:
+            k = float(factor)
+        except ValueError:
+            raise ValueError(LR.expected) from None
+        if not (math.isfinite(k) and k > 0):
+            raise ValueError(LR.expected)
+    return ref.strip(), k
 
 
-def load_data(dataset: str | None, eval_on: str, image_size: int = 16):
-    """(x_train, y_train, x_eval, y_eval, n_classes, description), features standardized with
-    training statistics. The test split (20%, stratified, fixed seed) does not depend on
-    ``--seed``; with ``eval_on="val"`` 20% of the remaining training set is the evaluation set
-    and the test set is not touched."""
-    if dataset is None:
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x = torch.tensor(d.data, dtype=torch.float32)
-        y = torch.tensor(d.target, dtype=torch.long)
-        name = "sklearn load_digits (8x8)"
-    else:
-        x, y, name = _load_image_folder(dataset, image_size)
-    train_idx, test_idx = _stratified_split(y, 0.2, seed=0)
-    if eval_on == "val":
-        sub_train, val = _stratified_split(y[train_idx], 0.2, seed=1)
-        train_idx, eval_idx = train_idx[sub_train], train_idx[val]
-    else:
-        eval_idx = test_idx
-    x_tr, y_tr, x_ev, y_ev = x[train_idx], y[train_idx], x[eval_idx], y[eval_idx]
-    mean, std = x_tr.mean(0), x_tr.std(0)
-    std = torch.where(std > 1e-6, std, torch.ones_like(std))
-    x_tr, x_ev = (x_tr - mean) / std, (x_ev - mean) / std
-    n_classes = int(y.max()) + 1
-    return x_tr, y_tr, x_ev, y_ev, n_classes, name
-
-
-def _load_image_folder(path: str, image_size: int):
-    if not os.path.isdir(path):
-        raise DemoError(f"--dataset {path!r} is not a directory (expected an ImageFolder layout: "
-                        "PATH/<class name>/<image files>)")
-    try:
-        from torchvision import datasets, transforms
-    except ImportError as e:
-        raise DemoError("--dataset needs torchvision, which is not installed "
-                        "(pip install torchvision), or run without --dataset to use "
-                        "scikit-learn's digits") from e
-    tf = transforms.Compose([
-        transforms.Resize((image_size, image_size)),
-        transforms.Grayscale(num_output_channels=1),
-        transforms.ToTensor(),
-    ])
-    try:
-        ds = datasets.ImageFolder(path, transform=tf)
-    except (FileNotFoundError, RuntimeError) as e:
-        raise DemoError(f"--dataset {path!r}: {e}") from e
-    if len(ds.classes) < 2:
-        raise DemoError(f"--dataset {path!r}: found {len(ds.classes)} class folder(s), need >= 2")
-    xs, ys = zip(*(ds[i] for i in range(len(ds))))
-    x = torch.stack(xs).flatten(1)
-    y = torch.tensor(ys, dtype=torch.long)
-    return x, y, f"ImageFolder {path} ({len(ds.classes)} classes, {image_size}x{image_size} gray)"
+RECIPE_SETTINGS: dict[str, Check] = dict(
+    digits.OPTIMIZER_SETTINGS,
+    label=Text(),
+    optimizer=Choice(*digits.OPTIMIZERS),
+    batch=Choice("small", "large"),  # COMMON's small_batch or large_batch
+    lr=LR(),
+    warmup_epochs=Number(0, MAX_EPOCHS),
+    warmup_start_factor=Number(0, 1),
+    decay=Choice(*DECAYS),
+    power=Number(0, lo_open=True),
+)
+# Settings any recipe may be given (make_schedule has defaults for those it lacks).
+SCHEDULE_KEYS = ("warmup_epochs", "warmup_start_factor", "decay", "power")
+# The optimizer of a run is fixed: its other settings are those of that optimizer.
+FIXED_KEYS = ("optimizer",)
 
 
 # --------------------------------------------------------------------------------------------
-# model, optimizers, schedules
+# recipes: LR and schedule
 # --------------------------------------------------------------------------------------------
-def make_model(n_in: int, n_classes: int, hidden=COMMON["hidden"]) -> torch.nn.Module:
-    layers: list[torch.nn.Module] = []
-    for h in hidden:
-        layers += [torch.nn.Linear(n_in, h), torch.nn.ReLU()]
-        n_in = h
-    layers.append(torch.nn.Linear(n_in, n_classes))
-    return torch.nn.Sequential(*layers)
-
-
-def resolve_lr(recipes: dict[str, dict[str, Any]], name: str) -> float:
+def resolve_lr(recipes: dict[str, dict[str, Any]], name: str,
+               _chain: tuple[str, ...] = ()) -> float:
     """A recipe's LR; ``"=other"`` / ``"=other*k"`` refers to another recipe's LR (scaling rules
-    are written as a reference, so tuning the baseline carries over)."""
+    are written as a reference, so tuning the baseline carries over). Raises DemoError for an
+    unknown reference, a cycle of references, or an LR outside ``digits.LR_VALUE``."""
     lr = recipes[name]["lr"]
+    chain = (*_chain, name)
     if isinstance(lr, str):
-        if not lr.startswith("="):
-            raise DemoError(f"recipe {name}: lr {lr!r} must be a number or '=recipe[*factor]'")
-        ref, _, factor = lr[1:].partition("*")
+        try:
+            ref, factor = lr_reference(lr)
+        except ValueError as e:
+            raise DemoError(f"recipe {name}: lr {lr!r}: expected {e}") from None
         if ref not in recipes:
-            raise DemoError(f"recipe {name}: lr refers to unknown recipe {ref!r}")
-        return resolve_lr(recipes, ref) * (float(factor) if factor else 1.0)
-    return float(lr)
-
-
-def make_optimizer(model: torch.nn.Module, r: dict[str, Any], lr: float):
-    import fusedopt
-
-    groups = fusedopt.param_groups(model, weight_decay=r["weight_decay"])
-    kind = r["optimizer"]
-    if kind == "sgd":
-        # torch SGD ignores the 'adapt' key; biases get no weight decay, as for LARS/LAMB
-        groups = [{k: v for k, v in g.items() if k != "adapt"} for g in groups]
-        return torch.optim.SGD(groups, lr=lr, momentum=r["momentum"])
-    if kind == "lars":
-        return fusedopt.FusedLARS(groups, lr=lr, momentum=r["momentum"],
-                                  trust_coefficient=r["trust_coefficient"])
-    if kind == "lamb":
-        return fusedopt.FusedLAMB(groups, lr=lr, betas=tuple(r["betas"]), eps=r["eps"])
-    raise DemoError(f"unknown optimizer {kind!r}; expected sgd, lars or lamb")
+            raise DemoError(f"recipe {name}: lr {lr!r} refers to unknown recipe {ref!r}; expected "
+                            f"one of {list(recipes)}")
+        if ref in chain:
+            raise DemoError(f"recipe {name}: lr {lr!r} makes a cycle of LR references: "
+                            + " -> ".join((*chain[chain.index(ref):], ref))
+                            + "; give one of them a number")
+        value = resolve_lr(recipes, ref, chain) * factor
+    elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise DemoError(f"recipe {name}: lr {lr!r}: expected {LR.expected}")
+    else:
+        value = float(lr)
+    try:
+        return digits.LR_VALUE(value)
+    except ValueError as e:
+        raise DemoError(f"recipe {name}: lr {lr!r} is {value:g}; expected {e}") from None
 
 
 def make_schedule(opt, r: dict[str, Any], steps_per_epoch: int, epochs: int):
-    from .schedules import WarmupDecayLR
+    from ..schedules import WarmupDecayLR
 
     total = steps_per_epoch * epochs
     warmup = min(round(r.get("warmup_epochs", 0.0) * steps_per_epoch), total - 1)
@@ -225,89 +200,11 @@ def make_schedule(opt, r: dict[str, Any], steps_per_epoch: int, epochs: int):
 # --------------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------------
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    return (model(x).argmax(1) == y).float().mean().item()
-
-
 def probe_noise_scale(model, x, y, generator: torch.Generator,
                       probe_windows: int | None = None) -> tuple[float, float]:
     """``(B_simple, standard error)`` at the current parameters; see :func:`noise_probe`."""
     p = noise_probe(model, x, y, generator, probe_windows or COMMON["probe_windows"])
     return p["b_simple"], p["se"]
-
-
-def noise_probe(model, x, y, generator: torch.Generator, windows: int, *,
-                micro_batch: int = COMMON["probe_micro_batch"],
-                micro_batches: int = COMMON["probe_micro_batches"]) -> dict[str, float]:
-    """The gradient noise scale at the current parameters, from ``windows`` big batches of
-    ``micro_batches`` x ``micro_batch`` examples drawn with replacement, through
-    :class:`fusedopt.GradientAccumulationNoiseScale`. Gradients are cleared before and after;
-    the optimizer state is not touched.
-
-    Returns ``b_simple`` (``trace / sq_norm``), ``se`` (its standard error), ``trace`` and
-    ``sq_norm`` (the averaged ``tr(Σ)`` and ``|G|²`` estimates, for pooling several probes as a
-    ratio of means).
-
-    The parameters are fixed during a probe, so the windows are i.i.d. measurements of the same
-    quantity and are weighted (almost) equally (bias-corrected EMA with beta close to 1). The
-    standard error is the delta-method one of a ratio of means: with ``r_i = tr_i − B·|G|²_i``
-    over the windows' raw estimates, ``se = sd(r) / sqrt(n) / mean(|G|²_i)``.
-    """
-    from .noise_scale import GradientAccumulationNoiseScale, GradientNoiseScale
-
-    b, n = micro_batch, micro_batches
-    est = GradientNoiseScale(beta=1.0 - 1.0 / (100 * windows))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    raw: list[tuple[float, float]] = []
-    with GradientAccumulationNoiseScale(params, b, est, accumulation="mean") as acc:
-        for _ in range(windows):
-            idx = torch.randint(0, len(y), (n * b,), generator=generator).to(y.device)
-            for i in range(n):
-                j = idx[i * b:(i + 1) * b]
-                loss = torch.nn.functional.cross_entropy(model(x[j]), y[j])
-                (loss / n).backward()
-                acc.micro_batch_done()
-            acc.step()
-            raw.append((float(est.last_trace), float(est.last_sq_norm)))
-            for p in params:
-                p.grad = None
-    b_simple = est.noise_scale
-    tr = torch.tensor([t for t, _ in raw], dtype=torch.float64)
-    sq = torch.tensor([g for _, g in raw], dtype=torch.float64)
-    se = math.nan
-    if math.isfinite(b_simple) and windows > 1 and float(sq.mean()) > 0:
-        se = float((tr - b_simple * sq).std() / math.sqrt(windows) / sq.mean())
-    return dict(b_simple=b_simple, se=se, trace=est.trace_estimate, sq_norm=est.sq_norm_estimate)
-
-
-def exact_noise_scale(model, x, y, chunk: int = 32) -> float:
-    """The true ``B_simple`` of the training set at the current parameters, for comparison:
-    per-example gradients ``g_j`` (``torch.func.vmap``, in chunks) give ``G = mean_j g_j`` and
-    ``tr(Σ) = mean_j |g_j|² − |G|²`` (the covariance of one example drawn uniformly from the
-    training set, which is what :func:`probe_noise_scale` samples)."""
-    from torch.func import functional_call, grad, vmap
-
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss_fn(p, xi, yi):
-        return torch.nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
-
-    per_example = vmap(grad(loss_fn), in_dims=(None, 0, 0))
-    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
-    sum_sq = torch.zeros((), dtype=torch.float64, device=x.device)
-    with torch.no_grad():
-        for i in range(0, len(y), chunk):
-            g = per_example(params, x[i:i + chunk], y[i:i + chunk])
-            for k, v in g.items():
-                sum_sq += torch.linalg.vector_norm(v).double().square()
-                total[k] += v.sum(0)
-    n = len(y)
-    g2 = sum(float((t / n).square().sum()) for t in total.values())
-    trace = float(sum_sq) / n - g2
-    return trace / g2 if g2 > 0 else math.nan
 
 
 def run_recipe(name: str, recipes: dict[str, dict[str, Any]], data, *, epochs: int, seed: int,
@@ -399,16 +296,7 @@ def format_table(results: list[dict[str, Any]], eval_name: str) -> str:
         _fmt_noise(r["noise_scale_late"], r["noise_scale_late_se"]),
         _fmt_noise(r["exact_noise_scale_late"], math.nan),
     ] for r in results]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    left = {0}
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-
-    sep = "|" + "|".join(("-" * (w + 2)) if i in left else ("-" * (w + 1) + ":")
-                         for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(head), sep, *map(line, rows)])
+    return md_table(head, rows, {0})
 
 
 def plot(results: list[dict[str, Any]], path: str, eval_name: str, title: str) -> None:
@@ -440,28 +328,6 @@ def plot(results: list[dict[str, Any]], path: str, eval_name: str, title: str) -
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
-def parse_overrides(items: list[str], table: dict[str, dict[str, Any]], *, what: str,
-                    example: str, fixed: tuple[str, ...] | None = None) -> None:
-    """Apply ``--set NAME.KEY=VALUE`` overrides to ``table[NAME][KEY]`` (VALUE as a Python
-    literal, else as a string). ``what`` names the entries in messages ("run", "optimizer");
-    with ``fixed`` given, only existing keys outside it may be set."""
-    for item in items:
-        key, eq, value = item.partition("=")
-        name, dot, field = key.partition(".")
-        if not eq or not dot:
-            raise DemoError(f"--set {item!r}: expected {what.upper()}.KEY=VALUE, e.g. {example}")
-        if name not in table:
-            raise DemoError(f"--set {item!r}: unknown {what} {name!r}; expected one of {list(table)}")
-        if fixed is not None and (field not in table[name] or field in fixed):
-            keys = [k for k in table[name] if k not in fixed]
-            raise DemoError(f"--set {item!r}: {name} has no setting {field!r}; expected one of "
-                            f"{keys}")
-        try:
-            table[name][field] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            table[name][field] = value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fusedopt demo",
@@ -497,37 +363,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if args.threads < 1:
-        raise DemoError(f"--threads {args.threads}: expected an integer >= 1")
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(previous_threads)
-
-
-def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if args.epochs < 1:
-        raise DemoError(f"--epochs {args.epochs}: expected an integer >= 1")
-    if args.probe_windows < 2:
-        raise DemoError(f"--probe-windows {args.probe_windows}: expected an integer >= 2")
-    if args.image_size < 1:
-        raise DemoError(f"--image-size {args.image_size}: expected an integer >= 1")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise DemoError(f"--device {args.device!r}: {e}") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DemoError("--device cuda: CUDA is not available on this machine")
+def validate(args: argparse.Namespace) -> dict[str, Any]:
+    """Every option and ``--set`` value checked, before any work: ``device``, ``recipes`` (with
+    the overrides; every LR resolves) and ``runs``. Raises DemoError naming the option / key and
+    the value."""
+    check_option("--threads", args.threads, threads_check())
+    check_option("--epochs", args.epochs, Number(1, MAX_EPOCHS, integer=True))
+    check_option("--seed", args.seed, SEED)
+    check_option("--probe-windows", args.probe_windows, PROBE_WINDOWS)
+    check_option("--image-size", args.image_size, Number(1, 1024, integer=True))
+    device = parse_device("--device", args.device)
+    if args.dataset is not None and not os.path.isdir(args.dataset):
+        raise DemoError(f"--dataset {args.dataset!r} is not a directory (expected an ImageFolder "
+                        "layout: PATH/<class name>/<image files>)")
     recipes = copy.deepcopy(RECIPES)
-    parse_overrides(args.set, recipes, what="run", example="lars_b512.lr=2.0")
+    parse_overrides(args.set, recipes, what="run", example="lars_b512.lr=2.0",
+                    settings=RECIPE_SETTINGS, fixed=FIXED_KEYS, optional=SCHEDULE_KEYS)
+    for name in recipes:
+        try:
+            resolve_lr(recipes, name)
+        except DemoError as e:
+            raise DemoError(f"--set: {e}") from None
     runs = [s.strip() for s in args.runs.split(",") if s.strip()]
     unknown = [s for s in runs if s not in recipes]
     if unknown or not runs:
         raise DemoError(f"--runs: unknown {unknown or runs!r}; expected names from {RUN_ORDER}")
+    make_out_dir("--out", args.out)
+    return dict(device=device, recipes=recipes, runs=runs)
 
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    plan = validate(args)
+    with torch_threads(args.threads):
+        return _run(args, **plan)
+
+
+def _run(args: argparse.Namespace, *, device: torch.device, recipes: dict[str, dict[str, Any]],
+         runs: list[str]) -> list[dict[str, Any]]:
     data = load_data(args.dataset, args.eval_on, args.image_size)
     x_tr, y_tr, x_ev, y_ev, n_classes, desc = data
     data = (x_tr.to(device), y_tr.to(device), x_ev.to(device), y_ev.to(device), n_classes, desc)
@@ -591,11 +463,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sweep"]:
-        from . import sweep
-
-        return sweep.main(argv[1:])
+    """``python -m fusedopt demo`` (``fusedopt demo sweep`` is routed to
+    :mod:`fusedopt.tools.sweep` by ``fusedopt.__main__``)."""
     args = build_parser().parse_args(argv)
     try:
         run(args)

@@ -50,9 +50,9 @@ first imported), which executes every operation of every program in Python, abou
 each: there it runs a reduced set (small tensors, fewer cases and steps).
 
 A short speed table per device follows (``--no-speed`` skips it): ms per ``step()`` and GB/s by
-the bytes model of :mod:`fusedopt.bench` for the fusedopt backends checked there, beside torch's
-``AdamW`` (fused where the device supports it, else foreach) and apex's ``FusedLAMB`` when apex
-imports, with the in-place bandwidth of ``a.add_(c, alpha=s)`` measured in the same rounds.
+the bytes model of :mod:`fusedopt.tools.bench` for the fusedopt backends checked there, beside
+torch's ``AdamW`` (fused where the device supports it, else foreach) and apex's ``FusedLAMB`` when
+apex imports, with the in-place bandwidth of ``a.add_(c, alpha=s)`` measured in the same rounds.
 
 The exit status is 0 when every row passed and 1 otherwise (a failed row, a backend that raised,
 or a ``--backend`` that could run on none of the devices).
@@ -467,17 +467,12 @@ def _why_not(name: str, device: torch.device) -> str | None:
 @contextlib.contextmanager
 def _substituted(objects: Mapping[str, _backends.Backend] | None):
     """While active, ``backend=name`` resolves to ``objects[name]`` (see ``run``)."""
-    objects = dict(objects or {})
-    saved = {name: _backends._instances.get(name) for name in objects}
-    _backends._instances.update(objects)
+    saved = {name: _backends.set_backend(name, be) for name, be in (objects or {}).items()}
     try:
         yield
     finally:
-        for name, inst in saved.items():
-            if inst is None:
-                _backends._instances.pop(name, None)
-            else:
-                _backends._instances[name] = inst
+        for name, be in saved.items():
+            _backends.set_backend(name, be)
 
 
 @contextlib.contextmanager
@@ -607,7 +602,7 @@ def _not_checked_lines(not_checked, plan) -> list[str]:
 def _interpreter_chunks() -> str:
     """The Triton kernels' chunk size under the interpreter, for the note on its reduced set."""
     try:
-        from .kernels import tables
+        from ..kernels import tables
     except Exception:  # noqa: BLE001 - the note goes without it
         return ""
     return f" (chunks of {tables.CHUNK_SIZE:,} elements there)"
@@ -655,7 +650,7 @@ def speed_table(device: torch.device, backend_names: list[str], *, shapes=None,
                 rounds: int | None = None, out=None) -> None:
     """Times ``step()`` of LAMB and LARS on each backend beside torch's AdamW (and apex's
     FusedLAMB on CUDA when apex imports), interleaved with the in-place bandwidth yardstick, and
-    prints the table of :func:`fusedopt.bench.print_table` (GB/s by its bytes model).
+    prints the table of :func:`fusedopt.tools.bench.print_table` (GB/s by its bytes model).
 
     Default params: BERT-base (110M elements) on CUDA; on the CPU one BERT-shaped layer of width
     512 with a 2,000-word vocabulary (4.7M elements, 19 MB a list in fp32: larger than the
@@ -674,7 +669,7 @@ def speed_table(device: torch.device, backend_names: list[str], *, shapes=None,
     params = bench.make_params(shapes, device)
     a, c = torch.randn(numel, device=device), torch.randn(numel, device=device)
     # label -> (bytes model key, step, phase); phase 1: optimizers that allocate param-sized
-    # temporaries every step, timed apart from the others (see fusedopt.bench)
+    # temporaries every step, timed apart from the others (see fusedopt.tools.bench)
     rows: dict[str, tuple] = {bench.YARDSTICK: (12, lambda: a.add_(c, alpha=1e-3), 0)}
     for name in backend_names:
         phase = int(name == "eager")
@@ -705,9 +700,9 @@ def speed_table(device: torch.device, backend_names: list[str], *, shapes=None,
     results = [bench.Result(k, rows[k][0], t) for k, t in times.items()]
     with redirect_stdout(out):
         bench.print_table(f"speed on {device}", len(shapes), numel, results)
-        print("GB/s: bytes per element of fusedopt.bench's model (LAMB 40, LARS 28, AdamW 28) x "
-              "elements / median step; of bw: that over the in-place bandwidth (12 B/element)",
-              flush=True)
+        print("GB/s: bytes per element of fusedopt.tools.bench's model (LAMB 40, LARS 28, "
+              "AdamW 28) x elements / median step; of bw: that over the in-place bandwidth "
+              "(12 B/element)", flush=True)
         for line in broken:
             print(line, flush=True)
         if device.type == "cuda" and apex_lamb is None:

@@ -1,7 +1,8 @@
 """Step-time benchmark: fusedopt backends side by side with torch's fused optimizers.
 
-    python -m fusedopt.bench            # BERT-base shaped params and 4000 small tensors
-    python -m fusedopt.bench --quick    # a small, fast run
+    python -m fusedopt.tools.bench            # BERT-base shaped params and 4000 small tensors
+    python -m fusedopt.tools.bench --quick    # a small, fast run
+    python -m fusedopt bench --quick          # the same, through the fusedopt command
 
 The candidates of a parameter set run interleaved: each round times one ``step()`` of every
 optimizer, in turn, and the in-place bandwidth yardstick (``a.add_(c, alpha=s)``: 12 B/element
@@ -43,6 +44,8 @@ from typing import Callable
 import torch
 
 import fusedopt
+
+from .common import DemoError, Number, check_option, parse_device
 
 BYTES_PER_ELEMENT = {"lamb": 40, "lars": 28, "adamw": 28, "sgd": 20}
 FLATTENED = " (flattened params)"  # suffix of the rows on flattened params (module docstring)
@@ -298,14 +301,28 @@ def run(quick: bool = False, device: str = "cpu", repeats: int | None = None, on
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fusedopt.bench", description=__doc__,
+    """``python -m fusedopt bench``. Bad options are refused before anything runs (an
+    ``error:`` line, exit status 2)."""
+    ap = argparse.ArgumentParser(prog="python -m fusedopt bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small parameter sets, fewer repeats")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="interleaved rounds (timed steps per optimizer)")
+                    help="interleaved rounds (timed steps per optimizer), at least 2")
     ap.add_argument("--only", default=None, help="run only optimizers whose label contains this")
     args = ap.parse_args(argv)
+    try:
+        device = parse_device("--device", args.device)
+        if args.repeats is not None:
+            # two rounds at least: the spread (interquartile range) needs two times
+            check_option("--repeats", args.repeats, Number(2, 10 ** 6, integer=True))
+        if args.only:
+            labels = [label for label, *_ in candidates(device, args.quick)]
+            if not any(args.only.lower() in label.lower() for label in labels):
+                raise DemoError(f"--only {args.only!r}: matches none of the optimizers on "
+                                f"{device}: {labels}")
+    except DemoError as e:
+        ap.error(str(e))
     run(quick=args.quick, device=args.device, repeats=args.repeats, only=args.only)
 
 
