@@ -28,7 +28,10 @@ CHILD = r'''
 import json, statistics, sys, time
 import torch
 import fusedopt
-from fusedopt.bench import bert_base_shapes
+try:
+    from fusedopt.tools.bench import bert_base_shapes
+except ImportError:  # a tree from before the tools moved to fusedopt/tools
+    from fusedopt.bench import bert_base_shapes
 torch.manual_seed(0)
 cases, steps = json.loads(sys.argv[1]), int(sys.argv[2])
 out = {"file": fusedopt.__file__}

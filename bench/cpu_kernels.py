@@ -3,12 +3,12 @@
     python bench/cpu_kernels.py                  # BERT-base shapes and 4000 x 2,500
     python bench/cpu_kernels.py --rounds 30 --sets small
 
-``python -m fusedopt.bench`` times whole ``step()`` calls of every optimizer; this script times the
-cpp backend's ``step()`` beside its parts: the two kernel passes alone (the backend calls on a
-prebuilt bucket) and the Python gathering of ``step()`` (each group's lists from the list cache,
-with this step's grads), so that the per-tensor
+``python -m fusedopt.tools.bench`` times whole ``step()`` calls of every optimizer; this script
+times the cpp backend's ``step()`` beside its parts: the two kernel passes alone (the backend calls on a
+prebuilt bucket) and the Python gathering of ``step()`` (each group's lists, gathered as at every
+step, and their binding to the kept native layout), so that the per-tensor
 overhead can be read off; with torch's fused AdamW, timm's ``Lamb`` (when timm is installed) and
-the bandwidth yardstick in the same rounds (``fusedopt.bench.interleave``).
+the bandwidth yardstick in the same rounds (``fusedopt.tools.bench.interleave``).
 """
 from __future__ import annotations
 
@@ -19,42 +19,39 @@ import torch
 
 import fusedopt
 from fusedopt.backends import get_backend
-from fusedopt.functional import _buckets
-from fusedopt.bench import (BYTES_PER_ELEMENT, YARDSTICK, Result, bert_base_shapes, interleave,
-                            joint_rounds, make_params, print_table, ratios, timm_optimizers)
+from fusedopt._hyper import encode
+from fusedopt.functional import StepCache, _buckets
+from fusedopt.tools.bench import (BYTES_PER_ELEMENT, YARDSTICK, Result, bert_base_shapes,
+                                  interleave, joint_rounds, make_params, print_table, ratios,
+                                  timm_optimizers)
 
 SETS = {"bert": ("bert-base", bert_base_shapes()), "small": ("4000 x 2,500", [(2500,)] * 4000)}
 
 
-def _gathering(opt):
-    """step()'s gathering alone: each group's lists from the list cache (Note [list cache] in
-    fusedopt/optim.py) with this step's grads, and the check that its kept bucket takes them."""
+def _gathering(opt, kind):
+    """step()'s gathering alone: each group's lists (Note [step cache]: gathered at every step)
+    and their binding to the kept layout, which ends as the step does."""
     def run():
         for gi, group in enumerate(opt.param_groups):
-            opt._group(gi, group)
-        opt._let_go()  # as step() does at its end
+            bound = []
+            _buckets(kind, gi, opt._group(group), opt._cache, bound)
+            for be, b in bound:
+                be.end(b)
     return run
 
 
 def _passes(opt, kind):
     """The backend's two passes on the optimizer's kept buckets, without step()'s gathering."""
-    opt.step()  # creates the state and the kept buckets
-    plan = []
+    opt.step()  # creates the state
+    plan, cache = [], StepCache()  # layouts of their own, bound once (steps bind the optimizer's)
     for gi, group in enumerate(opt.param_groups):
-        g = opt._group(gi, group)
-        entries = _buckets(kind, gi, g)
-        for _, b in entries:  # the passes take the grads as an argument (no held grads)
-            b.scratch.pop("taken", None)
-        plan.append((g.hyper, entries))
-    opt._let_go()
+        g = opt._group(group)
+        plan.append((g.hyper, encode(g.hyper), _buckets(kind, gi, g, cache, [])))
 
     def run():
-        for h, entries in plan:
+        for h, hyper, entries in plan:
             for be, b in entries:
-                if kind == "lamb":
-                    be.lamb_pass2(b, h, be.lamb_pass1(b, h, None, None), None)
-                else:
-                    be.lars_pass2(b, h, be.lars_pass1(b, h, None, None), None, None)
+                be.pass2(kind, b, h, hyper, be.pass1(kind, b, h, hyper, None, None), None, None)
     return run
 
 
@@ -68,13 +65,13 @@ def bench_set(label, shapes, rounds, eager):
         YARDSTICK: (12, lambda: a.add_(c, alpha=1e-3)),
         "fusedopt LAMB [cpp]": (BYTES_PER_ELEMENT["lamb"], lamb.step),
         "cpp LAMB passes only": (BYTES_PER_ELEMENT["lamb"], _passes(lamb, "lamb")),
-        "LAMB step's gathering": (0, _gathering(lamb)),
+        "LAMB step's gathering": (0, _gathering(lamb, "lamb")),
         "fusedopt LARS [cpp]": (BYTES_PER_ELEMENT["lars"], lars.step),
         "cpp LARS passes only": (BYTES_PER_ELEMENT["lars"], _passes(lars, "lars")),
         "torch AdamW(fused=True)": (BYTES_PER_ELEMENT["adamw"], torch.optim.AdamW(params, fused=True).step),
     }
     times = interleave({k: fn for k, (_, fn) in rows.items()}, torch.device("cpu"), rounds)
-    slow = {}  # allocate parameter-sized temporaries: a second phase (see fusedopt.bench)
+    slow = {}  # allocate parameter-sized temporaries: a second phase (see fusedopt.tools.bench)
     timm = timm_optimizers()
     if timm is not None:
         slow["timm Lamb (foreach)"] = (BYTES_PER_ELEMENT["lamb"],

@@ -1,11 +1,15 @@
-"""The unit of work of every backend: :class:`Bucket`, and the dtype rules it carries.
+"""The unit of work of every backend (:class:`Bucket`), the dtype rules it carries, and the one
+object that keeps what outlives a step (:class:`StepCache`).
 
 A leaf module (it imports nothing of fusedopt), so that the functional layer, the backends and
 :mod:`fusedopt.distributed` all import it without a cycle.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +51,56 @@ class TensorLists:
     sources: list[torch.Tensor] | None = None
 
 
+class StepCache:
+    """Note [step cache]: everything an optimizer keeps from one step to the next, in one object
+    that ``add_param_group``, ``load_state_dict`` and ``__setstate__`` replace:
+
+    * ``layouts``: the cpp backend's native checked layouts, one per bucket slot (Note [kept
+      layout] in csrc/cpu/ops.h); a step whose lists are what the layout checked skips the
+      Python checks;
+    * ``workspaces``: a dict per bucket slot for backend data that each backend validates on use
+      (the Triton pointer tables, the eager backend's chunk index);
+    * ``single``: group index -> (slot, backend) of a group that was one bucket at its last check
+      (the only groups a step may bind without checking them in Python first);
+    * ``groups``: group index -> the group's lists as the last step gathered them (Note [list
+      cache] in fusedopt/optim.py);
+    * ``options``: the option values of each group when last checked and ``lrs`` its tensor lr
+      whose value was read (Note [option checks] in fusedopt/optim.py); ``bases``: the storages
+      of the flat state under torch.compile (Note [traced flat state] in fusedopt/optim.py).
+
+    A bucket's slot names its group and its (device, param dtype, grad dtype). Torch.library
+    operators, which take no Python objects, find a cache by its ``id`` (:meth:`find`): a weak
+    reference, so that the cache lives exactly as long as its optimizer.
+    """
+
+    _ids = itertools.count()
+    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def __init__(self) -> None:
+        self.id = next(StepCache._ids)
+        StepCache._live[self.id] = self
+        self.layouts: dict[str, Any] = {}
+        self.workspaces: dict[str, dict] = {}
+        self.single: dict[int, tuple[str, Any]] = {}
+        self.groups: dict[int, tuple] = {}
+        self.options: dict[int, tuple] = {}
+        self.lrs: dict[int, torch.Tensor] = {}
+        self.bases: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def find(cache_id: int) -> StepCache | None:
+        return StepCache._live.get(cache_id)
+
+    def workspace(self, slot: str) -> dict:
+        return self.workspaces.setdefault(slot, {})
+
+
+def slot_of(gi: int, key: tuple) -> str:
+    """The slot of the bucket of group ``gi`` with (device, param dtype, grad dtype) ``key``."""
+    device, p_dtype, g_dtype = key
+    return f"{gi}/{device}/{p_dtype}/{g_dtype}".replace("torch.", "")
+
+
 @dataclass
 class Bucket(TensorLists):
     """The rows of one param group that share device, param dtype and grad dtype: the unit of
@@ -55,15 +109,12 @@ class Bucket(TensorLists):
 
     # (original, contiguous stand-in) pairs written back after pass 2, for strided tensors
     writeback: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # backend-private data carried from pass 1 to pass 2 (e.g. eager's update direction)
+    # backend-private data of this step (carried from bind to pass 2, e.g. eager's update
+    # direction, the cpp layout bound for the step)
     scratch: dict = field(default_factory=dict)
-    # backend-private data kept across steps while every list but ``grads`` holds the same tensors
-    # (Note [list cache] in fusedopt/optim.py); None: a one-off bucket
-    handles: dict | None = None
-    # backend-private data that lives as long as the optimizer, one dict per param group and
-    # (device, param dtype, grad dtype), whatever the lists hold; whatever a backend keeps there
-    # it validates on use (the Triton backend's pointer tables). None: a one-off bucket
-    workspace: dict | None = None
+    # where the bucket keeps data across steps (None: a one-off bucket) and under which slot
+    cache: StepCache | None = None
+    slot: str = ""
     # the group's ``backend`` option: "auto" lets a backend that fails to compile hand the bucket
     # to the next one (Backend.prepare)
     requested_backend: str = "auto"
@@ -88,3 +139,11 @@ class Bucket(TensorLists):
     def weights(self) -> list[torch.Tensor]:
         """The tensors the math reads as ``w``: fp32 masters when present, else the params."""
         return self.masters if self.masters is not None else self.params
+
+    @property
+    def workspace(self) -> dict:
+        """The bucket's dict of backend data kept across steps (a new one for a one-off bucket,
+        and under torch.compile, where the Triton operators find theirs by the cache's id)."""
+        if self.cache is None or torch.compiler.is_compiling():
+            return self.scratch.setdefault("workspace", {})
+        return self.cache.workspace(self.slot)

@@ -8,6 +8,7 @@ by the backends from the step tensors, with the formula of :func:`bias_correctio
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -51,6 +52,26 @@ def is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _finite(x: Any) -> bool:
+    """Whether the real number ``x`` is finite as a float64 (False for NaN, inf and an int too
+    large for a float). Written with comparisons only (Note [traced options])."""
+    if isinstance(x, int):
+        try:
+            x = float(x)
+        except OverflowError:
+            return False
+    return -math.inf < x < math.inf
+
+
+def _num(x: Any) -> Any:
+    """An option's value as a float. Note [traced options]: under torch.compile, dynamo turns a
+    float option that changed between calls into a symbol (a graph input) instead of a constant
+    of the graph; float() would specialize the symbol again (a recompile per value), and
+    math.isinf would break the graph, so a traced step keeps the value as it is and every check
+    of it is a comparison (a guard, true for every valid value)."""
+    return x if torch.compiler.is_compiling() else float(x)
+
+
 def _check_lr(lr: Any) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or lr.is_complex() or not lr.is_floating_point():
@@ -61,7 +82,7 @@ def _check_lr(lr: Any) -> None:
         if not torch.compiler.is_compiling():  # a traced step reads no value on the host
             check_lr_value(lr)
         return
-    if not is_real(lr) or not (lr >= 0.0) or math.isinf(lr):
+    if not is_real(lr) or not (lr >= 0.0) or not _finite(lr):
         raise ValueError(f"Invalid lr: {lr!r}; expected a finite number >= 0")
 
 
@@ -69,12 +90,12 @@ def check_lr_value(lr: torch.Tensor) -> None:
     """The value of a tensor lr: finite and >= 0. Reads it on the host (a device sync for an
     accelerator tensor), so the optimizers check it only when the tensor is new to them."""
     value = float(lr.detach().reshape(()).item())
-    if not (value >= 0.0) or math.isinf(value):
+    if not (value >= 0.0) or not _finite(value):
         raise ValueError(f"Invalid lr: a tensor lr holds {value!r}; expected a finite number >= 0")
 
 
 def _check_nonneg(name: str, x: Any) -> None:
-    if not is_real(x) or not (x >= 0.0) or math.isinf(x):
+    if not is_real(x) or not (x >= 0.0) or not _finite(x):
         raise ValueError(f"Invalid {name}: {x!r}; expected a finite number >= 0")
 
 
@@ -86,10 +107,9 @@ def _check_bool(name: str, x: Any) -> None:
 def _check_max_grad_norm(x: Any) -> None:
     if x is None:
         return
-    if not is_real(x) or not (x > 0.0):
-        raise ValueError(
-            f"Invalid max_grad_norm: {x!r}; expected None (no clipping) or a number > 0"
-        )
+    if not is_real(x) or not (x > 0.0) or not _finite(x):
+        raise ValueError(f"Invalid max_grad_norm: {x!r}; expected None (no clipping) or a finite "
+                         "number > 0")
 
 
 def check_backend_name(backend: Any) -> None:
@@ -107,7 +127,7 @@ def validate_lamb_group(g: dict[str, Any]) -> None:
         if not is_real(b) or not (0.0 <= b < 1.0):
             raise ValueError(f"Invalid beta{i}: {b!r}; expected 0 <= beta{i} < 1")
     eps = g["eps"]
-    if not is_real(eps) or not (eps > 0.0) or math.isinf(eps):
+    if not is_real(eps) or not (eps > 0.0) or not _finite(eps):
         # u = m / (sqrt(v) + eps) is 0/0 for an element whose gradient has been 0 at every step
         raise ValueError(f"Invalid eps: {eps!r}; expected a finite number > 0 (LAMB divides by "
                          "sqrt(v) + eps, which is 0 where all gradients so far were 0)")
@@ -122,7 +142,7 @@ def validate_lamb_group(g: dict[str, Any]) -> None:
                 f"Invalid trust_ratio_bounds: {bounds!r}; expected None or a pair (lo, hi)"
             )
         lo, hi = bounds
-        if not (0.0 <= lo <= hi) or math.isinf(lo):
+        if not (0.0 <= lo <= hi) or not _finite(lo) or not (hi == math.inf or _finite(hi)):
             raise ValueError(
                 f"Invalid trust_ratio_bounds: {bounds!r}; expected 0 <= lo <= hi, lo finite "
                 "(hi may be inf: no upper bound)"
@@ -136,7 +156,7 @@ def validate_lars_group(g: dict[str, Any]) -> None:
     _check_nonneg("weight_decay", g["weight_decay"])
     _check_nonneg("eps", g["eps"])
     tc = g["trust_coefficient"]
-    if not is_real(tc) or not (tc > 0.0) or math.isinf(tc):
+    if not is_real(tc) or not (tc > 0.0) or not _finite(tc):
         raise ValueError(f"Invalid trust_coefficient: {tc!r}; expected a finite number > 0")
     damp = g["dampening"]
     if not is_real(damp) or not (0.0 <= damp <= 1.0):
@@ -163,12 +183,12 @@ def check_representable(h: "LambHyper | LarsHyper", dtype: torch.dtype) -> None:
               ("max_grad_norm", h.max_grad_norm)]
     if isinstance(h, LambHyper):
         values += [("trust_ratio_bounds", h.ratio_lo)]
-        if not math.isinf(h.ratio_hi):  # inf: no upper bound
+        if h.ratio_hi != math.inf:  # inf: no upper bound
             values += [("trust_ratio_bounds", h.ratio_hi)]
     else:
-        values += [("trust_coefficient", h.trust_coefficient)]
+        values += [("trust_coefficient", h.trust_coefficient), ("momentum", h.momentum)]
     for name, x in values:
-        if isinstance(x, float) and x > info.max:
+        if not isinstance(x, torch.Tensor) and x is not None and x > info.max:
             raise ValueError(f"Invalid {name}: {x!r} overflows {dtype} (max {info.max:.4g}), the "
                              "dtype this step computes in")
     if isinstance(h, LambHyper) and h.eps < info.tiny:
@@ -228,45 +248,67 @@ def _lr(lr: float | torch.Tensor) -> float | torch.Tensor:
     # a tensor lr of one element, whatever its shape, is used as a 0-dim tensor by every backend
     if isinstance(lr, torch.Tensor):
         return lr if lr.dim() == 0 else lr.reshape(())
-    return float(lr)
+    return _num(lr)
 
 
 def lamb_hyper(g: dict[str, Any]) -> LambHyper:
-    beta1, beta2 = (float(b) for b in g["betas"])
+    beta1, beta2 = (_num(b) for b in g["betas"])
     bounds = g["trust_ratio_bounds"]
     return LambHyper(
         lr=_lr(g["lr"]),
         beta1=beta1,
         beta2=beta2,
         beta3=(1.0 - beta1) if g["grad_averaging"] else 1.0,
-        eps=float(g["eps"]),
-        weight_decay=float(g["weight_decay"]),
+        eps=_num(g["eps"]),
+        weight_decay=_num(g["weight_decay"]),
         bias_correction=bool(g["bias_correction"]),
         adapt=bool(g["adapt"]),
         decoupled=bool(g["decoupled_weight_decay"]),
         bounded=bounds is not None,
-        ratio_lo=float(bounds[0]) if bounds is not None else 0.0,
-        ratio_hi=float(bounds[1]) if bounds is not None else math.inf,
-        max_grad_norm=None if g["max_grad_norm"] is None else float(g["max_grad_norm"]),
+        ratio_lo=_num(bounds[0]) if bounds is not None else 0.0,
+        ratio_hi=_num(bounds[1]) if bounds is not None else math.inf,
+        max_grad_norm=None if g["max_grad_norm"] is None else _num(g["max_grad_norm"]),
         one_minus_beta2=1.0 - beta2,
-        lambda_in_u=0.0 if g["decoupled_weight_decay"] else float(g["weight_decay"]),
-        decoupled_lambda=float(g["weight_decay"]) if g["decoupled_weight_decay"] else 0.0,
+        lambda_in_u=0.0 if g["decoupled_weight_decay"] else _num(g["weight_decay"]),
+        decoupled_lambda=_num(g["weight_decay"]) if g["decoupled_weight_decay"] else 0.0,
     )
 
 
 def lars_hyper(g: dict[str, Any]) -> LarsHyper:
     return LarsHyper(
         lr=_lr(g["lr"]),
-        momentum=float(g["momentum"]),
-        dampening=float(g["dampening"]),
-        weight_decay=float(g["weight_decay"]),
-        trust_coefficient=float(g["trust_coefficient"]),
-        eps=float(g["eps"]),
+        momentum=_num(g["momentum"]),
+        dampening=_num(g["dampening"]),
+        weight_decay=_num(g["weight_decay"]),
+        trust_coefficient=_num(g["trust_coefficient"]),
+        eps=_num(g["eps"]),
         nesterov=bool(g["nesterov"]),
         trust_clip=bool(g["trust_clip"]),
         combined=g["denominator"] == "combined",
         lr_in_momentum=bool(g["lr_in_momentum"]),
         adapt=bool(g["adapt"]),
-        max_grad_norm=None if g["max_grad_norm"] is None else float(g["max_grad_norm"]),
-        one_minus_dampening=1.0 - float(g["dampening"]),
+        max_grad_norm=None if g["max_grad_norm"] is None else _num(g["max_grad_norm"]),
+        one_minus_dampening=1.0 - _num(g["dampening"]),
     )
+
+
+# The fields in declaration order (a tuple of names: dataclasses.fields does not trace under
+# torch.compile).
+LAMB_FIELDS = tuple(f.name for f in dataclasses.fields(LambHyper))
+LARS_FIELDS = tuple(f.name for f in dataclasses.fields(LarsHyper))
+
+
+def encode(h: LambHyper | LarsHyper) -> torch.Tensor:
+    """``h`` as the one tensor every fused kernel reads its scalars from (Note [hyper fields] in
+    csrc/cpu/ops.h): a float64 CPU tensor of its fields in declaration order, booleans 0/1, no
+    ``max_grad_norm`` NaN, a tensor ``lr`` 0 (it travels beside, as a tensor). Under
+    torch.compile the tensor is computed in the graph from the options (Note [traced options]),
+    so a float option that changes between steps is a graph input, not a constant: no recompile,
+    and the value the kernels read is the value of this step."""
+    names = LAMB_FIELDS if isinstance(h, LambHyper) else LARS_FIELDS
+    values = [math.nan if v is None else 0.0 if isinstance(v, torch.Tensor) else v
+              for v in (getattr(h, name) for name in names)]
+    if torch.compiler.is_compiling():
+        zero = torch.zeros((), dtype=torch.float64)
+        return torch.stack([zero + v for v in values])
+    return torch.tensor(values, dtype=torch.float64)

@@ -1,5 +1,5 @@
 """The functional layer: LAMB and LARS steps over lists of tensors, in the manner of
-``torch.optim.adam.adam``.
+``torch.optim.adam.adam``, and the one engine every step runs through.
 
 :func:`lamb` and :func:`lars` step one group of tensors with one set of hyper-parameters and are
 usable without the optimizer classes. :func:`trust_ratio_step` steps several
@@ -8,10 +8,11 @@ reducer runs one collective per phase. ``FusedLAMB.step`` / ``FusedLARS.step`` g
 group's lists and make one call to it.
 
 A step runs the phases of docs/math.md, each delegated to a backend per :class:`Bucket` (tensors
-of one group that share device, param dtype and grad dtype):
+of one group that share device, param dtype and grad dtype; the protocol is in
+:mod:`fusedopt.backends`):
 
-0. every check of every group, the backends resolved and their kernels prepared: a step that
-   raises has changed nothing;
+0. every check of every group, the buckets bound and their kernels prepared: a step that raises
+   has changed nothing;
 1. the grads' total ``Σg²`` when a group sets ``max_grad_norm`` or ``skip_nonfinite`` is on,
    ``c = max(1, sqrt(Σ) / max_grad_norm)``;
 2. pass 1 per bucket (steps, LAMB moments, the two sums of squares of each trust ratio);
@@ -23,20 +24,29 @@ into one graph: the fused backends are ``torch.ops.fusedopt`` operators with fak
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import is_
 from typing import Protocol, Sequence, TypedDict, Unpack
 
 import torch
 
 from . import backends as _backends
-from ._bucket import Bucket, TensorLists, bias_correction, compute_dtype
-from ._hyper import (LambHyper, LarsHyper, check_backend_name, check_representable, lamb_hyper,
-                     lars_hyper, validate_lamb_group, validate_lars_group)
+from ._bucket import Bucket, StepCache, TensorLists, bias_correction, compute_dtype, slot_of
+from ._hyper import (LAMB_DEFAULTS, LARS_DEFAULTS, LambHyper, LarsHyper, check_backend_name,
+                     check_representable, encode, lamb_hyper, lars_hyper, validate_lamb_group,
+                     validate_lars_group)
 from .flat import _dense_layout
 
-__all__ = ["Bucket", "SqSumReducer", "StepOptions", "TensorGroup", "bias_correction",
+__all__ = ["Bucket", "SqSumReducer", "StepCache", "StepOptions", "TensorGroup", "bias_correction",
            "compute_dtype", "lamb", "lars", "sq_norms", "trust_ratio_step"]
+
+_STATE_FIELDS = ("exp_avgs", "exp_avg_sqs", "momentum_buffers")
+# the optimizers' state key of each list (the names errors use)
+_STATE_KEYS = {"steps": "step", "exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
+               "momentum_buffers": "momentum_buffer", "masters": "master_param"}
+# the names of the lists of TensorLists (dataclasses.fields does not trace under torch.compile)
+_LIST_FIELDS = ("params", "grads", "steps", *_STATE_FIELDS, "masters", "sources")
 
 
 @dataclass
@@ -47,16 +57,6 @@ class TensorGroup(TensorLists):
     hyper: LambHyper | LarsHyper = field(kw_only=True)
     # a backend name of fusedopt.backends.resolve, or a Backend object used as it is
     backend: str | _backends.Backend = "auto"
-    # Note [list cache] in fusedopt/optim.py: a dict the caller keeps while it passes these very
-    # list objects again; the step keeps its buckets there. None: build them every call
-    cache: dict | None = None
-    # a dict per group that lives as long as the caller (backend tables, Bucket.workspace)
-    workspaces: dict | None = None
-
-
-# the names of the lists of TensorLists (dataclasses.fields on the class does not trace under
-# torch.compile; a tuple of names does)
-_LIST_FIELDS = tuple(f.name for f in dataclasses.fields(TensorLists))
 
 
 class SqSumReducer(Protocol):
@@ -93,113 +93,140 @@ def _name(kind: str) -> str:
     return "FusedLAMB" if kind == "lamb" else "FusedLARS"
 
 
-def check_tensors(kind: str, gi: int, params: list[torch.Tensor], grads: list[torch.Tensor]):
-    """Raise on params and grads that no backend can step, naming the group; return the group's
-    (devices, param dtypes, grad dtypes). Set-based: cheap for thousands of tensors."""
+def _check_group(kind: str, gi: int, g: TensorGroup) -> None:
+    """Raise, naming the group and the entry, on lists that no backend can step: lengths, entries
+    that are not tensors, sparse, non-floating or complex tensors, devices, shapes, and tensors
+    that overlap in memory. Set-based where it can be: cheap for thousands of tensors."""
     name = _name(kind)
-    if len(params) != len(grads):
-        raise ValueError(f"{name}: param group {gi} has {len(params)} params but {len(grads)} grads")
-    if any(lay is not torch.strided for lay in {t.layout for t in grads}):
-        raise RuntimeError(f"{name} does not support sparse gradients (param group {gi})")
-    p_dtypes, g_dtypes = {t.dtype for t in params}, {t.dtype for t in grads}
-    for what, dtypes in (("params", p_dtypes), ("grads", g_dtypes)):
+    n = len(g.params)
+    lists = {f: getattr(g, f) for f in ("grads", "steps", *_STATE_FIELDS, "masters")}
+    for f, xs in lists.items():
+        if xs is not None and len(xs) != n:
+            raise ValueError(f"{name}: param group {gi} has {n} params but {len(xs)} {f}")
+    for f, xs in {"params": g.params, **lists}.items():
+        if xs is None or all(isinstance(x, torch.Tensor) for x in xs):
+            continue
+        bad = next(((i, x) for i, x in enumerate(xs) if not isinstance(x, torch.Tensor)
+                    and not (x is None and f == "masters")), None)  # None: no master
+        if bad is not None:
+            i, x = bad
+            key = _STATE_KEYS.get(f)
+            if key is None:
+                what = "None (a param without a gradient?)" if x is None else type(x).__name__
+                raise TypeError(f"{name}: param group {gi}: {f}[{i}] is {what}, not a tensor")
+            raise TypeError(f"{name}: param group {gi}, param {i} of those with grads: state "
+                            f"{key!r} is {type(x).__name__}, not a tensor")
+    params, grads = g.params, g.grads
+    check_tensors(kind, gi, params, grads)
+    for i, (p, gr) in enumerate(zip(params, grads)):
+        if p.shape != gr.shape:
+            raise RuntimeError(f"{name}: param group {gi} has a grad of shape {tuple(gr.shape)} "
+                               f"for a param of shape {tuple(p.shape)} (param {i})")
+    if torch.compiler.is_compiling():
+        return  # traced tensors have no addresses; the optimizers check new params eagerly
+    written = [("params", params), *((f, xs) for f, xs in lists.items() if f != "grads")]
+    _refuse_overlap(name, gi, _overlap(written, [("grads", grads)]))
+
+
+def check_tensors(kind: str, gi: int, params: list[torch.Tensor],
+                  grads: list[torch.Tensor]) -> None:
+    """Raise, naming the group, on params and grads that no backend can step (layouts, dtypes,
+    devices). Set-based: cheap for thousands of tensors."""
+    name = _name(kind)
+    if any(lay is not torch.strided for lay in {t.layout for t in (*params, *grads)}):
+        raise RuntimeError(f"{name} does not support sparse params or gradients (param group {gi})")
+    for what, dtypes in (("params", {t.dtype for t in params}), ("grads", {t.dtype for t in grads})):
         if not all(d.is_floating_point for d in dtypes):
             kinds = "complex" if any(d.is_complex for d in dtypes) else "non-floating-point"
             raise RuntimeError(f"{name} does not support {kinds} {what} (param group {gi}: "
                                f"{sorted(map(str, dtypes))})")
     devices = {t.device for t in params}
     if len(devices) > 1:
-        raise RuntimeError(
-            f"params of one group must be on one device; param group {gi} has params on "
-            f"{sorted(str(d) for d in devices)}")
+        raise RuntimeError(f"params of one group must be on one device; param group {gi} has "
+                           f"params on {sorted(str(d) for d in devices)}")
     if {t.device for t in grads} != devices:
         raise RuntimeError(f"{name}: param group {gi} has grads on another device than its params")
-    return devices, p_dtypes, g_dtypes
 
 
-# ------------------------------------------------------------------------------ buckets
-def cached_bucket(g: TensorGroup):
-    """The (backend, bucket) kept in ``g.cache`` (Note [list cache]) with this step's grads, when
-    its backend accepts them and its tensors did not change; None when no bucket is kept, False
-    when the kept one refused (its params changed dtype or layout, or the grads do not fit)."""
-    hit = g.cache.get("buckets") if g.cache is not None else None
-    if hit is None or hit[0] is not g.params or hit[1] != g.backend:
-        return None
-    be, template, param_dtype, grad_dtype = hit[2]
-    b = dataclasses.replace(template, grads=g.grads, scratch={}, writeback=[])
-    if b.param_dtype == param_dtype and be.accepts_grads(b, grad_dtype):
-        return be, b
-    return False
-
-
-def _buckets(kind: str, gi: int, g: TensorGroup) -> list[tuple[_backends.Backend, Bucket]]:
-    """The group's (backend, bucket) pairs; raises before anything is modified."""
-    cache = g.cache
-    if cache is not None:
-        ready = cache.pop("ready", None)
-        if ready is not None and ready[0] is g.grads:
-            return [ready[1]]
-        hit = cached_bucket(g)
-        if hit:
-            return [hit]
-    devices, p_dtypes, g_dtypes = check_tensors(kind, gi, g.params, g.grads)
-    for p, gr in zip(g.params, g.grads):
+def check_new_params(kind: str, gi: int, params: list[torch.Tensor], grads: list[torch.Tensor],
+                     h, backend) -> set[str]:
+    """What would refuse a step over ``params`` (a group's params that have grads), checked by
+    the optimizers before they make state for any that has none (Note [refused steps] in
+    fusedopt/optim.py): tensors, shapes, params that share memory, the backends (returns their
+    names) and hyper-parameters their compute dtypes cannot hold."""
+    name = _name(kind)
+    check_tensors(kind, gi, params, grads)
+    for i, (p, gr) in enumerate(zip(params, grads)):
         if p.shape != gr.shape:
-            raise RuntimeError(f"{_name(kind)}: param group {gi} has a grad of shape "
-                               f"{tuple(gr.shape)} for a param of shape {tuple(p.shape)}")
-    if len(p_dtypes) == 1 and len(g_dtypes) == 1:
-        keys = {(*devices, *p_dtypes, *g_dtypes): range(len(g.params))}
-    else:
-        keys = {}
-        for i, (p, gr) in enumerate(zip(g.params, g.grads)):
-            keys.setdefault((p.device, p.dtype, gr.dtype), []).append(i)
-    out = []
-    for key, idx in keys.items():
-        be = g.backend if isinstance(g.backend, _backends.Backend) else _backends.resolve(
-            g.backend, *key)
-        out.append((be, _bucket(kind, gi, g, list(idx), key)))
-    if cache is not None:
-        cache.pop("buckets", None)
-        if len(out) == 1 and not out[0][1].writeback:
-            be, b = out[0]
-            # a new bucket: no handle of an old one; the kept copy shares the dict, so that the
-            # next steps reuse what the backend keeps there
-            b.handles = {}
-            cache["buckets"] = (g.params, g.backend, (be, dataclasses.replace(b, grads=[]),
-                                                      b.param_dtype, b.grad_dtype))
-    return out
+            raise RuntimeError(f"{name}: param group {gi} has a grad of shape {tuple(gr.shape)} "
+                               f"for a param of shape {tuple(p.shape)} (param {i})")
+    _refuse_overlap(name, gi, _overlap([("params", params)], []))
+    chosen = set()
+    for device, p_dtype, g_dtype in {(p.device, p.dtype, gr.dtype) for p, gr in zip(params, grads)}:
+        be = backend if isinstance(backend, _backends.Backend) else _backends.resolve(
+            backend, device, p_dtype, g_dtype)
+        chosen.add(be.name)
+        try:
+            check_representable(h, compute_dtype(p_dtype))
+        except ValueError as e:
+            raise ValueError(f"{name}: param group {gi}: {e}") from None
+    return chosen
 
 
-def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int], key) -> Bucket:
-    """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
-    step) for any row whose tensors do not share one dense layout."""
-    def pick(xs):
-        return None if xs is None else [xs[i] for i in idx]
+def _refuse_overlap(name: str, gi: int, clash) -> None:
+    if clash is None:
+        return
+    (a, t), (b, u) = clash
+    if t is u:
+        raise ValueError(f"{name}: param group {gi} holds the same {'param' if a.startswith('params') else 'tensor'} "
+                         f"twice ({a} and {b}, counted among the params with grads)")
+    raise ValueError(f"{name}: param group {gi}: {a} and {b} overlap in memory (views of one "
+                     "tensor); a step writes them, so each must have memory of its own")
 
-    masters = pick(g.masters)  # None entries: params without masters
-    if masters is not None and any(m is None for m in masters):
-        if not all(m is None for m in masters):
-            raise RuntimeError("fusedopt: params of one dtype must all have masters or none")
-        masters = None
-    lists = {name: pick(getattr(g, name)) for name in _LIST_FIELDS}
-    b = Bucket(**{**lists, "masters": masters},
-               requested_backend=getattr(g.backend, "name", g.backend))
-    _check_bucket(kind, gi, b)
-    if g.workspaces is not None:
-        b.workspace = g.workspaces.setdefault(key, {})
-    rows = [b.params, b.grads] + [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers,
-                                                 b.masters) if xs is not None]
-    if all(x.is_contiguous() for xs in rows for x in xs):
-        return b
-    for i, p in enumerate(b.params):
-        if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in rows):
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of ``t``'s storage that its elements lie in."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return start, start + extent * size
+
+
+def _elements_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one storage share an element (exact; for the rare spans that meet)."""
+    def offsets(t):
+        idx = torch.zeros((), dtype=torch.int64)
+        for n, s in zip(t.shape, t.stride()):
+            idx = idx.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+        return idx.reshape(-1) + t.storage_offset()
+    if a.dtype.itemsize != b.dtype.itemsize:
+        return True  # different element grids: the spans meeting is answer enough
+    return bool(torch.isin(offsets(a), offsets(b)).any())
+
+
+def _overlap(written, read) -> tuple | None:
+    """``(name, tensor)`` of two tensors that share memory, one of them in ``written`` (lists of
+    ``(name, tensors)``; None entries skipped), or None. Tensors of one storage are compared by
+    their byte spans, and spans that meet by their elements."""
+    by_storage: dict[tuple, list] = {}
+    for is_written, named in ((True, written), (False, read)):
+        for f, xs in named:
+            for i, t in enumerate(xs or ()):
+                if t is not None and t.numel() and t.device.type != "meta":
+                    key = (t.device, t.untyped_storage().data_ptr())
+                    by_storage.setdefault(key, []).append((*_span(t), is_written, f"{f}[{i}]", t))
+    for spans in by_storage.values():
+        if len(spans) < 2:
             continue
-        for j, xs in enumerate(rows):
-            stand_in = xs[i].contiguous()
-            if j != 1:  # grads are only read
-                b.writeback.append((xs[i], stand_in))
-            xs[i] = stand_in
-    return b
+        spans.sort(key=lambda s: s[0])
+        open_spans: list = []
+        for start, end, is_written, label, t in spans:
+            open_spans = [s for s in open_spans if s[1] > start]
+            for _, _, other_written, other, u in open_spans:
+                if (is_written or other_written) and (t is u or _elements_meet(t, u)):
+                    return (other, u), (label, t)
+            open_spans.append((start, end, is_written, label, t))
+    return None
 
 
 def _check_bucket(kind: str, gi: int, b: Bucket) -> None:
@@ -215,25 +242,19 @@ def _check_bucket(kind: str, gi: int, b: Bucket) -> None:
                             f"{tuple(p.shape)}, {p.dtype}): {what}")
 
     step_ok = (torch.float32, 0, dev)
-    if {(s.dtype, s.dim(), s.device) if isinstance(s, torch.Tensor) else None
-            for s in b.steps} != {step_ok}:
-        i, s = next((i, s) for i, s in enumerate(b.steps) if not isinstance(s, torch.Tensor)
-                    or (s.dtype, s.dim(), s.device) != step_ok)
-        got = (f"{s.dtype} of shape {list(s.shape)} on {s.device}"
-               if isinstance(s, torch.Tensor) else repr(s))
-        raise bad(i, f"state 'step' must be a 0-dim float32 tensor on {dev}, got {got} "
-                     "(load_state_dict converts other step formats)")
+    if {(s.dtype, s.dim(), s.device) for s in b.steps} != {step_ok}:
+        i, s = next((i, s) for i, s in enumerate(b.steps)
+                    if (s.dtype, s.dim(), s.device) != step_ok)
+        raise bad(i, f"state 'step' must be a 0-dim float32 tensor on {dev}, got {s.dtype} of "
+                     f"shape {list(s.shape)} on {s.device} (load_state_dict converts other step "
+                     "formats)")
     shapes = [p.shape for p in b.params]
     for key, xs in (("exp_avg", b.exp_avgs), ("exp_avg_sq", b.exp_avg_sqs),
                     ("momentum_buffer", b.momentum_buffers), ("master_param", b.masters)):
-        if xs is None:
-            continue
-        if ({(x.dtype, x.device) if isinstance(x, torch.Tensor) else None for x in xs}
-                == {(cd, dev)} and [x.shape for x in xs] == shapes):
+        if xs is None or ({(x.dtype, x.device) for x in xs} == {(cd, dev)}
+                          and [x.shape for x in xs] == shapes):
             continue
         for i, x in enumerate(xs):
-            if not isinstance(x, torch.Tensor):
-                raise bad(i, f"state {key!r} is {type(x).__name__}, not a tensor")
             if (x.dtype, x.device, x.shape) != (cd, dev, shapes[i]):
                 raise bad(i, f"state {key!r} must be a {cd} tensor of the param's shape on "
                              f"{dev}, got {x.dtype} of shape {tuple(x.shape)} on {x.device}")
@@ -243,29 +264,17 @@ def _check_bucket(kind: str, gi: int, b: Bucket) -> None:
                          "an update cannot be written in place")
 
 
-# --------------------------------------------------------------------------------- step
-def _prepared(kind: str, plan, has_scale: bool, has_found_inf: bool):
-    """The plan after every backend has prepared (compiled) what this step launches, before any
-    tensor is touched. A bucket whose group asked for ``"auto"`` goes to the next backend of
-    ``backends.resolve`` when its backend fails to compile (one warning per backend, device and
-    dtypes); an explicitly requested backend raises."""
-    clip = any(h.max_grad_norm is not None for h, _ in plan)
-    out = []
-    for h, entries in plan:
-        has_gm = has_scale or h.max_grad_norm is not None
-        row = []
-        for be, b in entries:
-            while True:
-                try:
-                    be.prepare(b, kind, h, has_gm, has_found_inf, clip)
-                    break
-                except _backends.BackendCompileError as e:
-                    if b.requested_backend != "auto":
-                        raise
-                    be = _backends.fall_back(be, b, e)
-            row.append((be, b))
-        out.append((h, row))
-    return out
+def _check_step_tensors(grad_scale, found_inf, skipped_steps) -> None:
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf),
+                    ("skipped_steps", skipped_steps)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor of one element or None, got "
+                            f"{type(t).__name__}")
+        if t.numel() != 1 or (name != "skipped_steps" and not t.is_floating_point()):
+            raise ValueError(f"{name} must be a {'' if name == 'skipped_steps' else 'floating '}"
+                             f"tensor of one element, got {t.dtype} of shape {list(t.shape)}")
 
 
 def _check_hyper(kind: str, gi: int, h, entries) -> None:
@@ -282,15 +291,146 @@ def _check_hyper(kind: str, gi: int, h, entries) -> None:
                              f"on the params' device ({b.device}), not {lr.device}")
 
 
-def _grad_total(plan, reducer) -> torch.Tensor:
-    """Σg² of every grad of the step, a float64 0-dim tensor on the first bucket's device."""
-    dev0 = plan[0][1][0][1].device
-    parts = [be.grad_sq_norms(b).to(dev0, torch.float64).sum()
-             for _, entries in plan for be, b in entries]
-    total = torch.stack(parts).sum()
-    if reducer is not None:
-        reducer.reduce_grad_sq(total)
-    return total
+# ------------------------------------------------------------------------------ buckets
+def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound: list) -> list:
+    """The group's ``[backend, bucket]`` pairs, bound for the step (each appended to ``bound`` as
+    soon as it is, so that the step ends it whatever happens next); raises before anything is
+    modified. A group that was one bucket at its last check is bound without the Python checks
+    when its backend's handle finds the lists unchanged (Note [step cache])."""
+    requested = getattr(g.backend, "name", g.backend)
+    compiling = torch.compiler.is_compiling()
+    if cache is not None and not compiling:
+        hit = cache.single.get(gi)
+        if (hit is not None and hit[2] == requested
+                and (g.masters is None or not any(map(is_, g.masters, repeat(None))))):
+            b = Bucket(**{f: getattr(g, f) for f in _LIST_FIELDS}, cache=cache, slot=hit[0],
+                       requested_backend=requested)
+            entry = [hit[1], b]
+            if hit[1].bind(b, check=False):
+                bound.append(entry)
+                return [entry]
+    _check_group(kind, gi, g)
+    keys: dict[tuple, list[int]] = {}
+    if len({t.dtype for t in g.params}) == 1 and len({t.dtype for t in g.grads}) == 1:
+        keys[(g.params[0].device, g.params[0].dtype, g.grads[0].dtype)] = list(range(len(g.params)))
+    else:
+        for i, (p, gr) in enumerate(zip(g.params, g.grads)):
+            keys.setdefault((p.device, p.dtype, gr.dtype), []).append(i)
+    out = []
+    for key, idx in keys.items():
+        be = g.backend if isinstance(g.backend, _backends.Backend) else _backends.resolve(
+            g.backend, *key)
+        b = _bucket(kind, gi, g, idx)
+        b.cache, b.slot, b.requested_backend = cache, slot_of(gi, key), requested
+        entry = [be, b]
+        bound.append(entry)
+        be.bind(b, check=True)
+        out.append(entry)
+    return out
+
+
+def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
+    """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
+    step) for any row whose tensors do not share one dense layout."""
+    def pick(xs):
+        return None if xs is None else [xs[i] for i in idx]
+
+    lists = {f: pick(getattr(g, f)) for f in _LIST_FIELDS}
+    masters = lists["masters"]  # None entries: params without masters
+    if masters is not None and any(m is None for m in masters):
+        if not all(m is None for m in masters):
+            i = next(i for i, m in enumerate(masters) if m is None)
+            raise RuntimeError(f"{_name(kind)}: param group {gi}, param {idx[i]} of those with "
+                               "grads: state 'master_param' is None where the other params of "
+                               "its dtype have master weights")
+        lists["masters"] = None
+    b = Bucket(**lists)
+    _check_bucket(kind, gi, b)
+    rows = [b.params, b.grads] + [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers,
+                                                 b.masters) if xs is not None]
+    if all(x.is_contiguous() for xs in rows for x in xs):
+        return b
+    for i, p in enumerate(b.params):
+        if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in rows):
+            continue
+        for j, xs in enumerate(rows):
+            stand_in = xs[i].contiguous()
+            if j != 1:  # grads are only read
+                b.writeback.append((xs[i], stand_in))
+            xs[i] = stand_in
+    return b
+
+
+def _prepare(kind: str, plan, has_scale: bool, has_found_inf: bool) -> None:
+    """Every backend prepares (compiles) what this step launches, before any tensor is touched.
+    A bucket whose group asked for ``"auto"`` goes to the next backend of ``backends.resolve``
+    when its backend fails to compile (one warning per backend, device and dtypes); an
+    explicitly requested backend raises."""
+    clip = any(h.max_grad_norm is not None for h, _ in plan)
+    for h, entries in plan:
+        has_gm = has_scale or h.max_grad_norm is not None
+        for entry in entries:
+            be, b = entry
+            while True:
+                try:
+                    be.prepare(b, kind, h, has_gm, has_found_inf, clip)
+                    break
+                except _backends.BackendCompileError as e:
+                    if b.requested_backend != "auto":
+                        raise
+                    be.end(b)
+                    be = entry[0] = _backends.fall_back(be, b, e)
+                    be.bind(b, check=True)
+
+
+# --------------------------------------------------------------------------------- step
+@torch.no_grad()
+def trust_ratio_step(
+    kind: str,
+    groups: Sequence[TensorGroup],
+    *,
+    cache: StepCache | None = None,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    reducer: SqSumReducer | None = None,
+    skip_nonfinite: bool = False,
+    skipped_steps: torch.Tensor | None = None,
+) -> None:
+    """Run one LAMB (``kind="lamb"``) or LARS (``kind="lars"``) step over ``groups``.
+
+    ``cache``: what the caller keeps between steps (:class:`StepCache`, one per optimizer; None:
+    nothing is kept). ``grad_scale``/``found_inf`` follow GradScaler's optimizer protocol (the
+    grads are unscaled as they are read; a nonzero ``found_inf`` makes the step a no-op).
+    ``skip_nonfinite``: a step whose grads hold inf or nan (their total ``Σg²`` is not finite)
+    changes nothing, decided on the device; ``skipped_steps`` (a tensor) is then incremented.
+    ``reducer`` completes per-rank sums in sharded training (:mod:`fusedopt.distributed`).
+    """
+    if kind not in ("lamb", "lars"):
+        raise ValueError(f"kind must be 'lamb' or 'lars', got {kind!r}")
+    _check_step_tensors(grad_scale, found_inf, skipped_steps)
+    bound: list = []  # every [backend, bucket] of the step: each is ended, also on an error
+    try:
+        plan, gis = [], []
+        for gi, g in enumerate(groups):
+            if g.params:
+                entries = _buckets(kind, gi, g, cache, bound)
+                _check_hyper(kind, gi, g.hyper, entries)
+                plan.append((g.hyper, entries))
+                gis.append(gi)
+        if not plan:
+            return
+        _prepare(kind, plan, grad_scale is not None, found_inf is not None or skip_nonfinite)
+        if cache is not None and not torch.compiler.is_compiling():
+            for gi, (_, entries) in zip(gis, plan):
+                if len(entries) == 1 and not entries[0][1].writeback:
+                    be, b = entries[0]
+                    cache.single[gi] = (b.slot, be, b.requested_backend)
+                else:
+                    cache.single.pop(gi, None)
+        _run(kind, plan, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps)
+    finally:
+        for be, b in bound:
+            be.end(b)
 
 
 def _grad_multipliers(plan, total, grad_scale):
@@ -302,7 +442,7 @@ def _grad_multipliers(plan, total, grad_scale):
             dev = b.device
             m = None
             if grad_scale is not None:
-                m = grad_scale.to(dev, torch.float64).reciprocal()
+                m = grad_scale.reshape(()).to(dev, torch.float64).reciprocal()
             if h.max_grad_norm is not None:
                 g_norm = total.to(dev).sqrt()
                 if m is not None:
@@ -314,94 +454,38 @@ def _grad_multipliers(plan, total, grad_scale):
     return mults
 
 
-@torch.no_grad()
-def trust_ratio_step(
-    kind: str,
-    groups: Sequence[TensorGroup],
-    *,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    reducer: SqSumReducer | None = None,
-    skip_nonfinite: bool = False,
-    skipped_steps: torch.Tensor | None = None,
-) -> None:
-    """Run one LAMB (``kind="lamb"``) or LARS (``kind="lars"``) step over ``groups``.
-
-    ``grad_scale``/``found_inf`` follow GradScaler's optimizer protocol (the grads are unscaled as
-    they are read; a nonzero ``found_inf`` makes the step a no-op). ``skip_nonfinite``: a step
-    whose grads hold inf or nan (their total ``Σg²`` is not finite) changes nothing, decided on
-    the device; ``skipped_steps`` (a tensor) is then incremented. ``reducer`` completes per-rank
-    sums in sharded training (:mod:`fusedopt.distributed`).
-    """
-    if kind not in ("lamb", "lars"):
-        raise ValueError(f"kind must be 'lamb' or 'lars', got {kind!r}")
-    built: list = []  # every (backend, bucket) of the step: each is finished, also on an error
-    try:
-        _run_step(kind, groups, built, grad_scale, found_inf, reducer, skip_nonfinite,
-                  skipped_steps)
-    finally:
-        for be, b in built:
-            be.finish(b)
-
-
-def _run_step(kind, groups, built, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps):
-    plan = []
-    for gi, g in enumerate(groups):
-        if g.params:
-            entries = _buckets(kind, gi, g)
-            built.extend(entries)
-            _check_hyper(kind, gi, g.hyper, entries)
-            plan.append((g.hyper, entries))
-    if not plan:
-        return
-    plan = _prepared(kind, plan, grad_scale is not None, found_inf is not None or skip_nonfinite)
+def _run(kind, plan, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps) -> None:
     total = None
     if skip_nonfinite or any(h.max_grad_norm is not None for h, _ in plan):
-        total = _grad_total(plan, reducer)
+        dev0 = plan[0][1][0][1].device
+        parts = [be.grad_sq_norms(b).to(dev0, torch.float64).sum()
+                 for _, entries in plan for be, b in entries]
+        total = torch.stack(parts).sum()
+        if reducer is not None:
+            reducer.reduce_grad_sq(total)
     if skip_nonfinite:
         bad = torch.isinf(total) | torch.isnan(total)
         if skipped_steps is not None:
             skipped_steps.add_(bad.to(skipped_steps.device, skipped_steps.dtype))
         bad = bad.to(torch.float32)
         found_inf = bad if found_inf is None else torch.maximum(
-            found_inf.to(bad.device, torch.float32), bad)
+            found_inf.reshape(()).to(bad.device, torch.float32), bad)
     mults = _grad_multipliers(plan, total, grad_scale)
-
-    def inf_on(dev):
-        return None if found_inf is None else found_inf.to(dev, torch.float32)
-
-    all_buckets, all_sums = [], []
-    for (h, entries), row in zip(plan, mults):
-        for (be, b), gm in zip(entries, row):
-            fi = inf_on(b.device)
-            sums = be.lamb_pass1(b, h, gm, fi) if kind == "lamb" else be.lars_pass1(b, h, gm, fi)
-            all_buckets.append(b)
-            all_sums.append(sums)
+    hypers = [encode(h) for h, _ in plan]
+    steps = [(h, hyper, be, b, gm, None if found_inf is None else
+              found_inf.reshape(()).to(b.device, torch.float32))
+             for (h, entries), hyper, row in zip(plan, hypers, mults)
+             for (be, b), gm in zip(entries, row)]
+    sums = [be.pass1(kind, b, h, hyper, gm, fi) for h, hyper, be, b, gm, fi in steps]
     if reducer is not None:
-        reducer.reduce_trust_sums(all_sums, all_buckets)
-    k = 0
-    for (h, entries), row in zip(plan, mults):
-        for (be, b), gm in zip(entries, row):
-            fi = inf_on(b.device)
-            if kind == "lamb":
-                be.lamb_pass2(b, h, all_sums[k], fi)
-            else:
-                be.lars_pass2(b, h, all_sums[k], gm, fi)
-            k += 1
-            for orig, stand_in in b.writeback:
-                orig.copy_(stand_in)
+        reducer.reduce_trust_sums(sums, [b for _, _, _, b, _, _ in steps])
+    for (h, hyper, be, b, gm, fi), s in zip(steps, sums):
+        be.pass2(kind, b, h, hyper, s, gm, fi)
+        for orig, stand_in in b.writeback:
+            orig.copy_(stand_in)
 
 
 # ----------------------------------------------------------------------- public functions
-def _masters_list(masters, n):
-    if masters is None:
-        return None
-    masters = list(masters)
-    if len(masters) != n:
-        raise ValueError(f"masters has {len(masters)} entries for {n} params")
-    return masters
-
-
 class StepOptions(TypedDict, total=False):
     """Keywords that :func:`lamb` and :func:`lars` pass on to :func:`trust_ratio_step`."""
 
@@ -409,6 +493,9 @@ class StepOptions(TypedDict, total=False):
     found_inf: torch.Tensor | None  # nonzero: the step changes nothing
     skip_nonfinite: bool  # a step whose grads hold inf or NaN changes nothing (default False)
     skipped_steps: torch.Tensor | None  # counts the steps skip_nonfinite skipped
+
+
+_D, _L = LAMB_DEFAULTS, LARS_DEFAULTS
 
 
 def lamb(
@@ -419,26 +506,29 @@ def lamb(
     steps: Sequence[torch.Tensor],
     *,
     masters: Sequence[torch.Tensor | None] | None = None,
-    lr: float | torch.Tensor = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-6,
-    weight_decay: float = 0.01,
-    bias_correction: bool = True,
-    grad_averaging: bool = True,
-    max_grad_norm: float | None = None,
-    trust_ratio_bounds: tuple[float, float] | None = None,
-    decoupled_weight_decay: bool = False,
-    adapt: bool = True,
+    lr: float | torch.Tensor = _D["lr"],
+    betas: tuple[float, float] = _D["betas"],
+    eps: float = _D["eps"],
+    weight_decay: float = _D["weight_decay"],
+    bias_correction: bool = _D["bias_correction"],
+    grad_averaging: bool = _D["grad_averaging"],
+    max_grad_norm: float | None = _D["max_grad_norm"],
+    trust_ratio_bounds: tuple[float, float] | None = _D["trust_ratio_bounds"],
+    decoupled_weight_decay: bool = _D["decoupled_weight_decay"],
+    adapt: bool = _D["adapt"],
     backend: str = "auto",
     **step: Unpack[StepOptions],
 ) -> None:
-    """One LAMB step over lists of tensors, in place (the math of :class:`fusedopt.FusedLAMB`).
+    """One LAMB step over lists of tensors, in place (the math of :class:`fusedopt.FusedLAMB`,
+    whose defaults these are).
 
     ``steps`` are float32 0-dim tensors on each param's device (incremented by the step);
     ``exp_avgs``/``exp_avg_sqs`` are in the compute dtype (float64 for float64 params, else
     float32); ``masters`` optionally gives fp32 master weights of bf16/fp16 params (None entries
     for params without). Options are those of the class; ``step`` takes the keywords of
-    :class:`StepOptions` (GradScaler's protocol and the non-finite guard). Example::
+    :class:`StepOptions` (GradScaler's protocol and the non-finite guard). Everything is checked
+    before anything is written, as by the class (lengths, tensors that share memory, shapes,
+    dtypes). Example::
 
         steps = [torch.zeros(()) for _ in params]
         m = [torch.zeros_like(p) for p in params]; v = [torch.zeros_like(p) for p in params]
@@ -460,17 +550,17 @@ def lars(
     *,
     lr: float | torch.Tensor,
     masters: Sequence[torch.Tensor | None] | None = None,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    trust_coefficient: float = 0.001,
-    eps: float = 1e-8,
-    nesterov: bool = False,
-    dampening: float = 0.0,
-    trust_clip: bool = False,
-    denominator: str = "sum",
-    lr_in_momentum: bool = True,
-    max_grad_norm: float | None = None,
-    adapt: bool = True,
+    momentum: float = _L["momentum"],
+    weight_decay: float = _L["weight_decay"],
+    trust_coefficient: float = _L["trust_coefficient"],
+    eps: float = _L["eps"],
+    nesterov: bool = _L["nesterov"],
+    dampening: float = _L["dampening"],
+    trust_clip: bool = _L["trust_clip"],
+    denominator: str = _L["denominator"],
+    lr_in_momentum: bool = _L["lr_in_momentum"],
+    max_grad_norm: float | None = _L["max_grad_norm"],
+    adapt: bool = _L["adapt"],
     backend: str = "auto",
     **step: Unpack[StepOptions],
 ) -> None:
@@ -492,25 +582,14 @@ def _one_group(kind: str, opts: dict, params, grads, steps, masters, backend, st
         raise TypeError(f"fusedopt.functional.{kind}() got unexpected keyword arguments {unknown}")
     (validate_lamb_group if kind == "lamb" else validate_lars_group)(opts)
     check_backend_name(backend)
-    params = list(params)
-    g = TensorGroup(params, list(grads), list(steps), masters=_masters_list(masters, len(params)),
+    g = TensorGroup(list(params), list(grads), list(steps),
+                    masters=None if masters is None else list(masters),
                     hyper=(lamb_hyper if kind == "lamb" else lars_hyper)(opts), backend=backend,
                     **{key: list(xs) for key, xs in state.items()})
-    _check_lengths(g)
-    trust_ratio_step(kind, [g], **step_args)
-
-def _check_lengths(g: TensorGroup) -> None:
-    n = len(g.params)
-    for name in ("grads", "steps", "exp_avgs", "exp_avg_sqs", "momentum_buffers"):
-        xs = getattr(g, name)
-        if xs is not None and len(xs) != n:
-            raise ValueError(f"{name} has {len(xs)} entries for {n} params")
-    for name in ("steps", "exp_avgs", "exp_avg_sqs", "momentum_buffers"):
-        xs = getattr(g, name)
-        if xs is None:
-            continue
-        for i, (x, p) in enumerate(zip(xs, g.params)):
-            want = () if name == "steps" else p.shape
-            if not isinstance(x, torch.Tensor) or x.shape != want or x.device != p.device:
-                raise ValueError(f"{name}[{i}] must be a tensor of shape {tuple(want)} on "
-                                 f"{p.device}, got {x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.device)}")
+    try:
+        trust_ratio_step(kind, [g], **step_args)
+    except (ValueError, TypeError, RuntimeError) as e:
+        prefix = f"{_name(kind)}: param group 0"  # the engine's words for the one group
+        if type(e) in (ValueError, TypeError, RuntimeError) and str(e).startswith(prefix):
+            raise type(e)(f"fusedopt.functional.{kind}(){str(e)[len(prefix):]}") from None
+        raise

@@ -5,22 +5,25 @@ makes one call to :func:`fusedopt.functional.trust_ratio_step`; it holds no math
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
-from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import is_
+from operator import attrgetter, is_
 from typing import Any, Callable
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
 
 from . import backends as _backends
-from ._bucket import compute_dtype
+from ._bucket import StepCache, compute_dtype
 from ._bucket import local as _local
 from ._hyper import (
     LAMB_DEFAULTS,
     LARS_DEFAULTS,
     check_backend_name,
+    check_lr_value,
+    check_representable,
     lamb_hyper,
     lars_hyper,
     validate_lamb_group,
@@ -28,9 +31,10 @@ from ._hyper import (
 )
 from ._state import OptimizerState
 from .flat import _aligned_offsets
-from .functional import TensorGroup, cached_bucket, trust_ratio_step
+from .functional import TensorGroup, check_new_params, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_DTYPE = attrgetter("dtype")
 _MISSING = object()  # an option deleted from a param group
 
 
@@ -50,33 +54,48 @@ def _guard_on(tensors) -> None:
             _ = x.dtype
 
 
-@dataclass
-class _Lists:
-    """A param group's lists as the last step gathered them (Note [list cache])."""
+def _unshare_lrs(groups) -> None:
+    """Note [shared tensor lr]: a tensor lr object found in several groups is replaced, in each
+    group after the first, by a view of it."""
+    seen = set()
+    for g in groups:
+        lr = g.get("lr")
+        if isinstance(lr, torch.Tensor):
+            if id(lr) in seen:
+                g["lr"] = lr.view(lr.shape)
+            seen.add(id(g["lr"]))
 
-    edits: int  # OptimizerState.edits when gathered
-    params: list  # group["params"] as it was (the list object) ...
-    members: tuple  # ... and its items
-    options: tuple  # (backend, master_weights)
-    with_grad: tuple[bool, ...] | None  # which params had a grad (None: all)
-    group: TensorGroup  # grads left to fill in
+
+# Run eagerly when a traced step calls them (a graph break there). torch's lazy form of
+# torch._dynamo.disable: importing dynamo at import time would import triton (Note [lazy import]
+# in fusedopt/backends/triton_backend.py).
+@torch._disable_dynamo
+def _step_outside_dynamo(opt: "_TrustRatioOptimizer", closure):
+    return opt.step(closure)
+
+
+@torch._disable_dynamo
+def _unshare_lrs_outside_graph(opt: "_TrustRatioOptimizer") -> None:
+    _unshare_lrs(opt.param_groups)
+
+
+@torch._disable_dynamo
+def _drop_stale(opt: "_TrustRatioOptimizer") -> None:
+    """Note [refused steps] under torch.compile: the stale masters that a traced step found,
+    dropped after its graph ran."""
+    for p in opt._stale:
+        opt.state[p].pop("master_param", None)
+    opt._stale.clear()
 
 
 class _TrustRatioOptimizer(Optimizer):
     """Shared machinery of LAMB and LARS: validation, state, gathering, dispatch.
 
-    Note [list cache]: gathering thousands of tensors into lists costs Python time on every step,
-    and the cpp backend keeps a native handle of a bucket's lists (Note [static lists] in
-    csrc/cpu/ops.h). So a group's lists are kept, with a ``cache`` dict in which the functional
-    layer keeps its buckets and the backends their handles, and reused while
-    * the state mapping saw no edit (``OptimizerState.edits``: a state dict or state tensor
-      replaced or removed, ``load_state_dict``; ``add_param_group`` and ``__setstate__`` clear the
-      cache outright),
-    * ``group["params"]`` holds the same params, the same ones have grads, and the group's
-      ``backend`` and ``master_weights`` are unchanged.
-    Each step then gathers only ``[p.grad for p in params]``; the backend checks the grads fit
-    (``Backend.accepts_grads``). Under ``torch.compile`` no cache is used: ``_init_group`` runs
-    at trace time and the graph's guards play its part.
+    ``step()`` gathers each group's lists as torch's optimizers do (``_init_group``, creating
+    state on first use) and makes one call to :func:`fusedopt.functional.trust_ratio_step`,
+    handing it the optimizer's :class:`~fusedopt._bucket.StepCache` (Note [step cache]): the one
+    object that keeps anything from one step to the next, replaced by ``add_param_group``,
+    ``load_state_dict`` and ``__setstate__``.
     """
 
     _kind: str
@@ -91,10 +110,13 @@ class _TrustRatioOptimizer(Optimizer):
         self._reducer = None
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
-        self.state = OptimizerState(self.state)
+        self.state = OptimizerState(self.state)  # Note [list cache]
+        self._pending: tuple[list, list] | None = None  # Note [refused steps]
+        self._stale: list = []  # stale masters a traced step found (Note [refused steps])
+        self._lock = threading.Lock()
         self._fresh()
-        # add_param_group checked every group (Note [option checks])
-        self._checked = {gi: self._option_values(g) for gi, g in enumerate(self.param_groups)}
+        for gi, group in enumerate(self.param_groups):  # add_param_group checked them
+            self._remember_options(gi, group)
         first = next((p for g in self.param_groups for p in g["params"]), None)
         device = _local(first).device if first is not None else torch.device("cpu")
         #: steps skipped by ``skip_nonfinite`` since construction (an int64 tensor, never read on
@@ -102,12 +124,7 @@ class _TrustRatioOptimizer(Optimizer):
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
 
     def _fresh(self) -> None:
-        self._lists: dict[int, _Lists] = {}
-        self._checked: dict[int, tuple] = {}  # Note [option checks]
-        self._pending: tuple[list, list] | None = None  # Note [refused steps]
-        self._workspaces: dict[int, dict] = {}
-        self._bases: tuple[int, dict] = (-1, {})  # Note [traced flat state]
-        self._lock = threading.Lock()
+        self._cache = StepCache()  # Note [step cache]
 
     # ---------------------------------------------------------------- groups
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -130,28 +147,51 @@ class _TrustRatioOptimizer(Optimizer):
         candidate = dict(self.defaults)
         candidate.update({k: v for k, v in param_group.items() if k != "params"})
         self._check_options(candidate)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        h = self._hyper(candidate)
+        for dtype in {compute_dtype(_local(p).dtype) for p in params
+                      if isinstance(p, torch.Tensor) and p.is_floating_point()}:
+            check_representable(h, dtype)
         super().add_param_group(param_group)
-        if hasattr(self, "_lists"):
-            self._lists.clear()
+        _unshare_lrs(self.param_groups)
+        if hasattr(self, "_cache"):
+            self._fresh()
+            for gi, group in enumerate(self.param_groups):
+                self._remember_options(gi, group)
 
     def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
         """Note [option checks]: a group's options are checked when the group is added and again
         at the step after any of them was replaced (by a scheduler, by hand, by
-        ``load_state_dict``): the values last checked are kept and compared by identity, which
-        costs one pass over a dozen keys. A tensor ``lr`` changed in place (as torch's schedulers
-        do) is the same object and its value is not read again: a step reads no tensor value on
-        the host (on an accelerator that would be a device sync per step)."""
-        values = self._option_values(group)
-        seen = self._checked.get(gi)
-        if seen is not None and all(map(is_, values, seen)):
-            return
-        missing = [k for k, v in zip(self._option_keys, values) if v is _MISSING]
+        ``load_state_dict``): the values last checked are kept in the step cache and compared by
+        identity, which costs one pass over a dozen keys. A tensor ``lr`` changed in place (as
+        torch's schedulers do) is the same object and its value is not read again: a step reads
+        no tensor value on the host (on an accelerator that would be a device sync per step).
+
+        Under torch.compile (Note [traced options] in fusedopt/_hyper.py) every trace checks
+        every option; the checks are comparisons, which become the graph's guards, so a compiled
+        step that a new value fails is traced again and refuses it before anything runs. The
+        value of a tensor lr is read by ``_init_group``, which dynamo runs eagerly at trace time,
+        when the tensor is new to its group; the trace then compares the group's lr with the
+        tensor checked last (``is``: a guard on identity), so that a new tensor is traced, and
+        read, again."""
+        missing = [k for k in self._option_keys if k not in group]
         if missing:
-            key = missing[0]
-            raise ValueError(f"{type(self).__name__}: param group {gi} has no option {key!r} "
-                           "(deleted after construction?)")
+            raise ValueError(f"{type(self).__name__}: param group {gi} has no option "
+                             f"{missing[0]!r} (deleted after construction?)")
+        if torch.compiler.is_compiling():
+            self._named(gi, self._check_options, group)
+            return
+        seen = self._cache.options.get(gi)
+        if seen is not None and all(map(is_, self._option_values(group), seen)):
+            return
         self._named(gi, self._check_options, group)
-        self._checked[gi] = values
+        self._remember_options(gi, group)
+
+    def _remember_options(self, gi: int, group: dict[str, Any]) -> None:
+        self._cache.options[gi] = self._option_values(group)
+        if isinstance(group["lr"], torch.Tensor):
+            self._cache.lrs[gi] = group["lr"]
 
     def _option_values(self, group: dict[str, Any]) -> tuple:
         return tuple(group.get(k, _MISSING) for k in self._option_keys)
@@ -166,6 +206,8 @@ class _TrustRatioOptimizer(Optimizer):
         out = super().__getstate__()
         out["state"] = self.state.plain()
         out["skip_nonfinite"] = self.skip_nonfinite
+        for key in ("_cache", "_pending", "_stale", "_lock"):
+            out.pop(key, None)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -175,12 +217,15 @@ class _TrustRatioOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._option_keys = tuple(self.defaults)
         self.state = OptimizerState(self.state)
+        self._option_keys = tuple(self.defaults)
         self.__dict__.setdefault("skip_nonfinite", False)
         self.__dict__.setdefault("_reducer", None)
         if "skipped_steps" not in self.__dict__:
             self.skipped_steps = torch.zeros((), dtype=torch.int64)
+        self._pending = None
+        self._stale = []
+        self._lock = threading.Lock()
         self._fresh()
         for group in self.param_groups:
             for k, v in self.defaults.items():
@@ -249,94 +294,117 @@ class _TrustRatioOptimizer(Optimizer):
 
     # ----------------------------------------------------------------- step
     def _init_group(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
-                    masters, sources, bases=None) -> tuple[bool, tuple | None]:
+                    masters, sources, bases) -> tuple[bool, tuple | None, tuple | None]:
         """Append the group's params that have grads, and their tensors, to the lists (torch's
-        ``_init_group`` shape: ``torch.compile`` runs it at trace time); create missing state.
-        Params are the local shards of DTensors (``sources`` then holds the DTensors). Raises,
-        with nothing changed, on what no backend can step. Returns whether params are sharded,
-        and with ``bases`` (a list: a traced step) the state as views of the bases it appends
-        there (Note [traced flat state]), None otherwise."""
-        from .functional import check_tensors
+        ``_init_group`` shape: torch.compile runs it eagerly at trace time, with the lists as its
+        outputs); create missing state. Params are the local shards of DTensors (``sources`` then
+        holds the DTensors); masters hold None for params without. Returns whether the params are
+        sharded; with ``bases`` (a list: a traced step) the state as views of the bases it
+        appends there (Note [traced flat state]), None otherwise; and the error that refuses the
+        step as (type name, message), which the caller raises (under torch.compile dynamo would
+        wrap an error raised here into one of its own), None if there is none."""
+        try:
+            return (*self._gather(group, params, grads, steps, exp_avgs, exp_avg_sqs,
+                                  momentum_buffers, masters, sources, bases), None)
+        except (ValueError, TypeError, RuntimeError) as e:
+            return False, None, (type(e).__name__, str(e))
 
+    def _gather(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
+                masters, sources, bases) -> tuple[bool, tuple | None]:
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-        ps = [p for p in group["params"] if p.grad is not None]
-        if not ps:
-            return False, None
-        sharded = any(hasattr(p, "to_local") for p in ps)
-        lps = [_local(p) for p in ps] if sharded else ps
-        lgs = [_local(p.grad) for p in ps]
-        check_tensors(self._kind, gi, lps, lgs)
-        # resolved here, before any state exists, so that a refused backend changes nothing (and
-        # loaded here, outside what torch.compile traces)
-        chosen = {_backends.resolve(group["backend"], *key).name
-                  for key in {(p.device, p.dtype, g.dtype) for p, g in zip(lps, lgs)}}
-        if len(set(map(id, ps))) != len(ps):
-            raise ValueError(f"{type(self).__name__}: param group {gi} holds the same param twice")
-        name = type(self).__name__
-        fresh, stale = [], []
-        for p, lp in zip(ps, lps):
-            st = self.state.get(p)
-            if not st:
-                fresh.append(p)
-                continue
-            master = self._uses_master(group, lp)
-            missing = [k for k in ("step", *self._state_keys, *(("master_param",) if master else ()))
-                       if not isinstance(st.get(k), torch.Tensor)]
-            if missing:
-                j = next(k for k, q in enumerate(group["params"]) if q is p)
-                raise RuntimeError(
-                    f"{name}: param {j} of param group {gi} "
-                    f"has no state tensor {missing[0]!r} (a state dict of another optimizer, or "
-                    f"master weights switched on after steps?)")
-            if not master and "master_param" in st:
-                stale.append(p)
-        if fresh:
-            self._init_states(group, fresh)
-        # Note [refused steps]: what a step that raises must undo (state it created) and what it
-        # does only once it succeeded (dropping stale masters); at once under torch.compile
-        pending = self._pending
-        if pending is not None:
-            pending[0].extend(fresh)
-            pending[1].extend(stale)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr is not self._cache.lrs.get(gi):
+            self._named(gi, check_lr_value, lr)  # Note [option checks]: once per new tensor lr
+            self._cache.lrs[gi] = lr
+        # Note [gathering]: what this does for every param at every step is written as C-level
+        # loops (map, list comprehensions, set) over the params: with thousands of tensors, each
+        # Python-level operation per param costs a measurable part of the step
+        all_ps = group["params"]
+        all_grads = [p.grad for p in all_ps]
+        if any(map(is_, all_grads, repeat(None))):
+            ps = [p for p, g in zip(all_ps, all_grads) if g is not None]
+            if not ps:
+                return False, None
+            gs = [g for g in all_grads if g is not None]
         else:
-            for p in stale:
-                del self.state[p]["master_param"]
-        layout = (self._state_layout(group, ps, bases)
-                  if bases is not None and not sharded and "eager" not in chosen else None)
-        for p, lp in zip(ps, lps):
-            st = self.state[p]
-            params.append(lp)
-            grads.append(_local(p.grad))
-            steps.append(st["step"])
-            master = st.get("master_param") if self._uses_master(group, lp) else None  # not stale
-            masters.append(None if master is None else _local(master))
-            if self._kind == "lamb":
-                exp_avgs.append(_local(st["exp_avg"]))
-                exp_avg_sqs.append(_local(st["exp_avg_sq"]))
-            else:
-                momentum_buffers.append(_local(st["momentum_buffer"]))
-            if sharded:
-                sources.append(p)
-        return sharded, layout
+            ps, gs = all_ps, all_grads
+        sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
+        lps = [_local(p) for p in ps] if sharded else ps
+        lgs = [_local(g) for g in gs] if sharded else gs
+        state = self.state
+        states = list(map(state.get, ps))
+        fresh = [] if all(states) else [p for p, st in zip(ps, states) if not st]
+        if fresh:
+            # Note [refused steps]: what would refuse the step is checked before state is made
+            # (a traced step makes it at trace time, where nothing can take it back)
+            chosen = check_new_params(self._kind, gi, lps, lgs, self._hyper(group),
+                                      group["backend"])
+            self._init_states(group, fresh)
+            if self._pending is not None:
+                self._pending[0].extend(fresh)
+            states = list(map(state.get, ps))
+        dtypes = set(map(_DTYPE, lps))
+        low = (group["master_weights"] is not False) and [d in _LOW_PRECISION for d in dtypes]
+        master = bool(low) and any(low)
+        if master:
+            low = [True] * len(lps) if all(low) else [p.dtype in _LOW_PRECISION for p in lps]
+        keys = ("step", *self._state_keys)
+        try:
+            columns = [[st[k] for st in states] for k in keys]
+            if master:
+                columns.append([st["master_param"] if lo else None for st, lo in zip(states, low)])
+        except KeyError:
+            i, key = next((i, k) for i, st in enumerate(states)
+                          for k in (*keys, "master_param") if k not in st
+                          and (k != "master_param" or low[i]))
+            j = next(k for k, q in enumerate(all_ps) if q is ps[i])
+            raise RuntimeError(f"{type(self).__name__}: param {j} of param group {gi} has no "
+                               f"state tensor {key!r} (a state dict of another optimizer, or "
+                               "master weights switched on after steps?)") from None
+        if not master and max(map(len, states)) > len(keys):
+            # stale masters (a state with more keys than this kind's): dropped once the step
+            # has succeeded (Note [refused steps])
+            stale = [p for p, st in zip(ps, states) if "master_param" in st]
+            (self._pending[1] if self._pending is not None else self._stale).extend(stale)
+        if sharded:
+            columns = [[x if x is None else _local(x) for x in xs] for xs in columns]
+        params.extend(lps)
+        grads.extend(lgs)
+        steps.extend(columns[0])
+        (exp_avgs if self._kind == "lamb" else momentum_buffers).extend(columns[1])
+        if self._kind == "lamb":
+            exp_avg_sqs.extend(columns[2])
+        if master:
+            masters.extend(columns[-1])
+        if sharded:
+            sources.extend(ps)
+        if bases is None or sharded:
+            return sharded, None
+        if not fresh:
+            chosen = {_backends.resolve(group["backend"], *key).name
+                      for key in {(p.device, p.dtype, g.dtype) for p, g in zip(lps, lgs)}}
+        if "eager" in chosen:
+            return sharded, None
+        return sharded, self._state_layout(
+            [columns[0], *(columns[1:3] if self._kind == "lamb" else (columns[1],)),
+             columns[-1] if master else [None] * len(ps)], bases)
 
-    def _state_layout(self, group, ps, bases: list) -> tuple:
+    def _state_layout(self, columns: list[list], bases: list) -> tuple:
         """Note [traced flat state]: the flat state (Note [flat state]) is tensors that share a
         storage and that a step writes. Given to a traced step as graph inputs, they would alias
         each other, and AOTAutograd would clone their storage once per tensor and copy it back
         around the operators (time that grows with the square of the tensor count). A traced step
-        gets instead one tensor per storage (``bases``: each spans its storage, the same object
-        for as long as the state is not edited, which the guards on it check) and builds each
-        state tensor as a view of it in the graph. Returns, per list (steps, exp_avgs,
-        exp_avg_sqs, momentum_buffers, masters), ``(base index, storage offset, shape, stride)``
-        of each entry (None: no master), constants of the trace. The state tensors themselves are
-        still appended to the lists, which the traced step then replaces by the views: dynamo
-        guards on them, so a step after their replacement (``load_state_dict``) compiles again
-        instead of writing the old storages. Only for the backends that run as operators:
-        inductor fuses the eager backend's foreach operations, clones included, and views of the
-        bases made its compile slower without making its step faster (docs/performance.md)."""
-        if self._bases[0] != self.state.edits:
-            self._bases = (self.state.edits, {})
-        cache, index = self._bases[1], {}
+        gets instead one tensor per storage (``bases``: each spans its storage, kept in the step
+        cache, the same object for as long as the cache lives, which the guards on it check) and
+        builds each state tensor as a view of it in the graph. Returns, per state list,
+        ``(base index, storage offset, shape, stride)`` of each entry (None: no master),
+        constants of the trace. The state tensors themselves are still appended to the lists,
+        which the traced step then replaces by the views: dynamo guards on them, so a step after
+        their replacement (``load_state_dict``) compiles again instead of writing the old
+        storages. Only for the backends that run as operators: inductor fuses the eager
+        backend's foreach operations, clones included, and views of the bases made its compile
+        slower without making its step faster (docs/performance.md)."""
+        cache, index = self._cache.bases, {}
 
         def entry(t):
             if t is None:
@@ -351,70 +419,60 @@ class _TrustRatioOptimizer(Optimizer):
                 bases.append(base)
             return index[key], t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
-        keys = ("exp_avg", "exp_avg_sq") if self._kind == "lamb" else ("momentum_buffer",)
-        states = [self.state[p] for p in ps]
-        columns = [tuple(entry(st["step"]) for st in states)]
-        columns += [tuple(entry(st[k]) for st in states) if k in keys else None
-                    for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
-        columns.append(tuple(entry(st.get("master_param") if self._uses_master(group, p) else None)
-                             for p, st in zip(ps, states)))
-        return tuple(columns)
+        return tuple(tuple(entry(t) for t in xs) for xs in columns)
 
-    def _group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
-        """The group's TensorGroup, from the list cache when nothing changed (Note [list cache])."""
-        self._checked_options(gi, group)
+    def _group(self, group: dict[str, Any]) -> TensorGroup:
+        """The group's lists from :meth:`_init_group` as a TensorGroup; under torch.compile the
+        state as views of its storages (Note [traced flat state])."""
+        params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists = (
+            [], [], [], [], [], [], [], [])
+        bases = [] if torch.compiler.is_compiling() else None
+        sharded, layout, error = self._init_group(group, *lists, bases)
+        if error is not None:
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(error[0], RuntimeError)(
+                error[1]) from None
+        lamb = self._kind == "lamb"
+        state = [exp_avgs, exp_avg_sqs] if lamb else [momentum_buffers]
+        if layout is not None:
+            _guard_on(chain(steps, *state, masters))
+            steps, *state, masters = ([None if e is None else bases[e[0]].as_strided(e[2], e[3], e[1])
+                                       for e in column] for column in layout)
+        return TensorGroup(
+            params, grads, steps, hyper=self._hyper(group),
+            exp_avgs=state[0] if lamb else None, exp_avg_sqs=state[1] if lamb else None,
+            momentum_buffers=None if lamb else state[0],
+            masters=None if all(map(is_, masters, repeat(None))) else masters,
+            backend=group["backend"], sources=sources if sharded else None)
+
+    def _kept_group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
+        """Note [list cache]: the group's lists as the last step gathered them, with this step's
+        grads, when nothing they depend on changed: the state mapping saw no edit
+        (``OptimizerState.edits``: a state dict or state tensor replaced or removed, state
+        created, ``load_state_dict``), ``group["params"]`` holds the same params, of the same
+        dtypes (which decide the master weights), the same ones have grads, and the group's
+        ``backend`` and ``master_weights`` are the same. Gathering
+        the lists costs each step a state lookup per param (a Python-level hash) and the reads of
+        thousands of state dicts, which a measurement put at a fifth of a step of 4000 small
+        tensors (docs/performance.md, "Gathering at every step"); a tensor whose data changed in
+        place (``p.data = ...``) is caught by the backend's bind (Note [kept layout] in
+        csrc/cpu/ops.h). Sharded groups are gathered at every step."""
         all_ps = group["params"]
         grads = [p.grad for p in all_ps]
         # not `None in grads`: that calls Tensor.__eq__(None) on every grad, a torch dispatch each
         with_grad = (tuple(g is not None for g in grads)
                      if any(map(is_, grads, repeat(None))) else None)
-        options = (group["backend"], group["master_weights"])
-        hit = self._lists.get(gi)
-        if (hit is not None and hit.edits == self.state.edits and hit.params is all_ps
-                and hit.with_grad == with_grad and hit.options == options
-                and len(hit.members) == len(all_ps) and all(map(is_, all_ps, hit.members))
-                and not hit.group.sources):
-            g = hit.group
-            g.hyper = self._hyper(group)
-            g.grads = grads if with_grad is None else [x for x in grads if x is not None]
-            ready = cached_bucket(g)
-            if ready is not False:
-                if ready:
-                    g.cache["ready"] = (g.grads, ready)  # taken by this step's trust_ratio_step
-                return g
-            # the kept bucket refused (a param changed dtype or shape in place): gather again,
-            # which checks everything and names what is wrong
-        g = self._gather(group, cache={}, workspaces=self._workspaces.setdefault(gi, {}))
-        self._lists[gi] = _Lists(self.state.edits, all_ps, tuple(all_ps), options, with_grad, g)
+        key = (self.state.edits, with_grad, group["backend"], group["master_weights"],
+               set(map(_DTYPE, all_ps)))
+        hit = self._cache.groups.get(gi)
+        if (hit is not None and hit[0] == key and hit[1] is all_ps and len(hit[2]) == len(all_ps)
+                and all(map(is_, all_ps, hit[2]))):
+            return dataclasses.replace(
+                hit[3], hyper=self._hyper(group),
+                grads=grads if with_grad is None else [x for x in grads if x is not None])
+        g = self._group(group)
+        if not g.sources:
+            self._cache.groups[gi] = ((self.state.edits, *key[1:]), all_ps, tuple(all_ps), g)
         return g
-
-    def _traced_groups(self) -> list[TensorGroup]:
-        groups = []
-        for gi, group in enumerate(self.param_groups):
-            self._named(gi, self._check_options, group)
-            groups.append(self._gather(group, traced=True))
-        return groups
-
-    def _gather(self, group: dict[str, Any], traced: bool = False, **kw) -> TensorGroup:
-        """The group's lists from :meth:`_init_group` as a TensorGroup (``kw``: its cache);
-        ``traced``: state as views of its storages (Note [traced flat state])."""
-        params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists = (
-            [], [], [], [], [], [], [], [])
-        bases = [] if traced else None
-        sharded, layout = self._init_group(group, *lists, bases)
-        if layout is not None:
-            _guard_on(chain(steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters))
-            steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters = (
-                None if column is None else
-                [None if e is None else bases[e[0]].as_strided(e[2], e[3], e[1]) for e in column]
-                for column in layout)
-        lamb = self._kind == "lamb"
-        return TensorGroup(
-            params, grads, steps, hyper=self._hyper(group),
-            exp_avgs=exp_avgs if lamb else None, exp_avg_sqs=exp_avg_sqs if lamb else None,
-            momentum_buffers=None if lamb else momentum_buffers,
-            masters=masters if any(m is not None for m in masters) else None,
-            backend=group["backend"], sources=sources if sharded else None, **kw)
 
     def _step_reducer(self, groups: list[TensorGroup]):
         if self._reducer is not None:
@@ -424,23 +482,42 @@ class _TrustRatioOptimizer(Optimizer):
         from .distributed import reducer_for
         return reducer_for(groups, self.param_groups)
 
+    # Note [shared tensor lr]: several param groups given one tensor lr object (the default lr of
+    # the constructor, or one tensor put in several groups) each get a view of it instead: the
+    # same storage, so a change made in place (as torch's schedulers make it) reaches every
+    # group, but an object per group. torch.compile keeps one graph input per tensor object and
+    # guards only the first place it found it: with a shared object, a tensor later assigned to
+    # one group alone would not be seen by the compiled step (torch's compiled Adam has this
+    # fault), nor would the guard that makes a new tensor lr be checked.
+    # Note [refused steps]: a step that raises has changed nothing. Everything that can refuse
+    # it is checked before the first write (fusedopt.functional's phase 0); the state that a step
+    # creates for params without state is created only after their own checks
+    # (check_new_params) and removed again if the step raises later; masters left over from
+    # before master_weights was turned off are dropped only once the step succeeded (under
+    # torch.compile, after its graph ran: _drop_stale).
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        if not torch.compiler.is_compiling() and get_eval_frame_callback() is not None:
+            # Note [refused steps] under torch.compile: a step that dynamo could not trace (it
+            # refused a value, or hit what it cannot trace) runs eagerly, and none of its frames
+            # may be compiled on its own (they hand each other views of the flat state)
+            return _step_outside_dynamo(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():
-            self._step(self._traced_groups())
+            self._step()
             return loss
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 f"{type(self).__name__}.step() called while another thread is in step() of the "
                 "same optimizer; serialize the calls (one optimizer per thread is fine)")
         self._pending = ([], [])  # Note [refused steps]: (params given state, stale masters)
+        self._stale.clear()  # left by a traced step that raised
         try:
-            self._step([self._group(gi, g) for gi, g in enumerate(self.param_groups)])
+            self._step()
         except BaseException:
             for p in self._pending[0]:
                 self.state.pop(p, None)
@@ -452,32 +529,45 @@ class _TrustRatioOptimizer(Optimizer):
                 self.state[p].pop("master_param", None)
         finally:
             self._pending = None
-            self._let_go()
             self._lock.release()
         return loss
 
-    def _let_go(self) -> None:
-        """The list cache keeps no grad past the step, also one that raised (zero_grad frees
-        them): the grads lists emptied, and a kept bucket that took grads for a step that never
-        ran finishes (Note [taken grads] in csrc/cpu/ops.h)."""
-        for entry in self._lists.values():
-            g = entry.group
-            g.grads = []
-            ready = g.cache.pop("ready", None) if g.cache else None
-            if ready is not None:
-                be, b = ready[1]
-                be.finish(b)
-
-    def _step(self, groups: list[TensorGroup]) -> None:
+    def _step(self) -> None:
+        # not an argument: dynamo may compile this frame on its own while step() runs eagerly
+        traced = torch.compiler.is_compiling()
+        lrs = [g["lr"] for g in self.param_groups if isinstance(g["lr"], torch.Tensor)]
+        shared = False
+        for i in range(len(lrs)):
+            for j in range(i + 1, len(lrs)):
+                shared = shared or lrs[i] is lrs[j]
+        if shared:
+            if traced:  # before anything is traced: a graph break here costs nothing
+                _unshare_lrs_outside_graph(self)
+            else:
+                _unshare_lrs(self.param_groups)
+        for gi, group in enumerate(self.param_groups):
+            self._checked_options(gi, group)
+        groups = [self._group(group) if traced else self._kept_group(gi, group)
+                  for gi, group in enumerate(self.param_groups)]
+        if traced:
+            for gi, group in enumerate(self.param_groups):
+                lr = group["lr"]
+                # Note [option checks]: the guard (on identity) that traces again, and so reads,
+                # a tensor lr that is new to its group
+                if isinstance(lr, torch.Tensor) and id(lr) != id(self._cache.lrs[gi]):
+                    raise AssertionError("unreachable: _init_group checked every tensor lr")
         trust_ratio_step(
             self._kind,
             groups,
+            cache=self._cache,
             grad_scale=getattr(self, "grad_scale", None),
             found_inf=getattr(self, "found_inf", None),
             reducer=self._step_reducer(groups),
             skip_nonfinite=self.skip_nonfinite,
             skipped_steps=self.skipped_steps,
         )
+        if traced and self._stale:
+            _drop_stale(self)
 
     # ------------------------------------------------------------ checkpoint
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -486,7 +576,8 @@ class _TrustRatioOptimizer(Optimizer):
         group keeps the ``backend`` it was built with (how this process runs, not state)."""
         backends = [g["backend"] for g in self.param_groups]
         super().load_state_dict(state_dict)
-        self._checked.clear()  # Note [option checks]: the loaded options are checked at step()
+        _unshare_lrs(self.param_groups)
+        self._fresh()  # Note [step cache]; the loaded options are checked at step()
         for g, be in zip(self.param_groups, backends):
             g["backend"] = be
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])

@@ -60,20 +60,18 @@ def _assert_bitwise(a, b):
 
 
 def _handle(opt, gi):
-    """The C++ BucketLists the cpp backend keeps for param group ``gi`` in the list cache (Note
-    [list cache] in fusedopt/optim.py), or None."""
-    entry = opt._lists.get(gi)
-    kept = None if entry is None or entry.group.cache is None else entry.group.cache.get("buckets")
-    if kept is None:
-        return None
-    _, _, (_, bucket, _, _) = kept
-    return bucket.handles.get("cpp")
+    """The C++ KeptLayout the cpp backend keeps for param group ``gi`` in the optimizer's step
+    cache (Note [step cache] in fusedopt/_bucket.py), or None."""
+    single = opt._cache.single.get(gi)
+    return None if single is None else opt._cache.layouts.get(single[0])
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_steady_steps_go_through_the_bucket_lists(kind, monkeypatch):
-    """After the first step, a step whose lists did not change calls the kept BucketLists (Note
-    [static lists]), not the torch.ops operators, which convert every list on every call."""
+def test_steady_steps_go_through_the_kept_layout(kind, monkeypatch):
+    """After the first step, a step whose lists did not change binds the kept KeptLayout (Note
+    [kept layout] in csrc/cpu/ops.h) without checking them in Python, and calls no torch.ops
+    operator (which converts and checks every list on every call)."""
+    from fusedopt import functional
     params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
     opt = _opt(kind, params, max_grad_norm=1.0)
     _set_grads(params, 0)
@@ -87,11 +85,16 @@ def test_steady_steps_go_through_the_bucket_lists(kind, monkeypatch):
             return getattr(ops, name)
 
     monkeypatch.setattr(CPP, "_ops", Counting())
+    checked = []
+    real_check = functional._check_group
+    monkeypatch.setattr(functional, "_check_group", lambda *a: checked.append(a) or real_check(*a))
+    handle = _handle(opt, 0)
     for step in range(1, 3):
         _set_grads(params, step)
         opt.step()
-    assert _handle(opt, 0) is not None
+    assert handle is not None and _handle(opt, 0) is handle
     assert not [c for c in calls if "pass" in c], f"steady steps called the operators {calls}"
+    assert not checked, "steady steps checked their lists in Python"
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
@@ -265,40 +268,40 @@ def test_isa_clones_are_bit_identical():
     assert len({digest for _, digest in runs.values()}) == 1, runs
 
 
-# ------------------------------------------------------------------------------ static lists
+# ------------------------------------------------------------------------------ kept layouts
 
-def _steps_with(kind, dtype, static_lists, monkeypatch):
-    """Four steps (global clipping, a tensor lr) with BucketLists on or off (then every pass goes
-    through torch.ops.fusedopt.*); returns the snapshot and the list cache's cpp handles."""
+def _steps_with(kind, dtype, kept, monkeypatch):
+    """Four steps (global clipping, a tensor lr) with the kept layouts on or off (then every pass
+    goes through torch.ops.fusedopt.*); returns the snapshot and the cache's layouts."""
     with monkeypatch.context() as m:
-        m.setattr(type(CPP), "_has_static_lists", static_lists)
+        if not kept:
+            m.setattr(type(CPP), "bind", lambda self, b, check: False)
         params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, dtype, 0)]
         opt = _opt(kind, params, max_grad_norm=1.0, lr=torch.tensor(0.02))
         for step in range(4):
             _set_grads(params, step)
             opt.step()
-        return _snapshot(params, opt), [_handle(opt, gi) for gi in opt._lists]
+        return _snapshot(params, opt), list(opt._cache.layouts.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_masters"])
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_static_lists_equal_the_operators_bit_for_bit(kind, dtype, monkeypatch):
-    """Note [static lists]: the optimizer keeps a C++ BucketLists per cached bucket (in the list
-    cache's handles, Note [list cache]), and the steps it runs are the operators' steps, bit for
-    bit."""
+def test_kept_layouts_equal_the_operators_bit_for_bit(kind, dtype, monkeypatch):
+    """Note [kept layout]: the optimizer keeps a C++ KeptLayout per bucket (in its step cache),
+    and the steps it runs are the operators' steps, bit for bit."""
     from fusedopt import _C
-    fast, handles = _steps_with(kind, dtype, True, monkeypatch)
-    slow, no_handles = _steps_with(kind, dtype, False, monkeypatch)
-    assert handles and all(isinstance(h, _C.BucketLists) for h in handles)
-    assert no_handles == [None]
+    fast, layouts = _steps_with(kind, dtype, True, monkeypatch)
+    slow, none = _steps_with(kind, dtype, False, monkeypatch)
+    assert layouts and all(isinstance(h, _C.KeptLayout) for h in layouts)
+    assert none == []
     _assert_bitwise(fast, slow)
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_cached_lists_let_go_of_the_grads(kind):
-    """The list cache and the C++ BucketLists keep no grad past the step: after
-    zero_grad(set_to_none=True) the grads of the last step are freed (their memory is what
-    set_to_none saves until the next backward), and the next step still hits the cache."""
+def test_kept_layouts_let_go_of_the_grads(kind):
+    """The kept layout holds no list past the step: after zero_grad(set_to_none=True) the grads
+    of the last step are freed (their memory is what set_to_none saves until the next backward),
+    and the next step still binds the same layout."""
     import gc
     import weakref
 
@@ -316,7 +319,7 @@ def test_cached_lists_let_go_of_the_grads(kind):
     assert not alive, f"the grads of params {alive[:5]} outlive zero_grad(set_to_none=True)"
     _set_grads(params, 2)
     opt.step()
-    assert _handle(opt, 0) is handle  # the same lists went on
+    assert _handle(opt, 0) is handle  # the same layout went on
     assert all(float(opt.state[p]["step"]) == 3 for p in params)
 
 
@@ -337,12 +340,14 @@ def _change_in_place(params, opt):
 
 def _both_ways_with_a_change(kind, extra, monkeypatch, change):
     """Four steps over ZOO (after ``extra`` tensors of 3 elements: above kTensorGrain the threads
-    share the looking) through BucketLists and through the operators; ``change(params, opt)`` runs
-    before the third step and returns a check, run after the last. Both ways give the same bits."""
+    share the looking) through the kept layout and through the operators; ``change(params, opt)``
+    runs before the third step and returns a check, run after the last. Both ways give the same
+    bits."""
     runs = []
-    for static_lists in (True, False):
+    for kept in (True, False):
         with monkeypatch.context() as m:
-            m.setattr(type(CPP), "_has_static_lists", static_lists)
+            if not kept:
+                m.setattr(type(CPP), "bind", lambda self, b, check: False)
             shapes = [(3,)] * extra + list(ZOO)
             params = [torch.nn.Parameter(t) for t in make_tensors(shapes, torch.float32, 0)]
             opt = _opt(kind, params)
@@ -361,27 +366,32 @@ EXTRA = pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])
 
 @EXTRA
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_static_lists_follow_tensors_changed_in_place(kind, extra, monkeypatch):
-    """Note [checked lists] in ops.cpp: BucketLists keeps its static lists' data pointers between
-    steps; when a tensor's data moves while the objects stay (so the state mapping saw no edit),
-    BucketLists.accepts sees the change, the step gathers its lists again (checking them all) and
-    steps the new data, as the operators do."""
+def test_kept_layouts_follow_tensors_changed_in_place(kind, extra, monkeypatch):
+    """Note [checked lists] in ops.cpp: the kept layout keeps its lists' data pointers between
+    steps; when a tensor's data moves while the objects stay, bind sees the change, the step
+    checks its lists in Python and binds them checked again, and steps the new data, as the
+    operators do."""
+    from fusedopt import functional
+
     def change(params, opt):
         handle = _handle(opt, 0)
-        edits = opt.state.edits
         _change_in_place(params, opt)
-        assert opt.state.edits == edits
+        checked = []
+        real_check = functional._check_group
+        monkeypatch.setattr(functional, "_check_group",
+                            lambda *a: checked.append(a) or real_check(*a))
 
-        def check():  # lists gathered again, with a new BucketLists (none on the operators' run)
+        def check():  # checked once (the step after the change), bound to the same layout
+            monkeypatch.setattr(functional, "_check_group", real_check)
             if handle is not None:
-                assert _handle(opt, 0) is not None and _handle(opt, 0) is not handle
+                assert _handle(opt, 0) is handle and len(checked) == 1
         return check
     _both_ways_with_a_change(kind, extra, monkeypatch, change)
 
 
 @EXTRA
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_static_lists_materialize_a_copy_on_write_state(kind, extra, monkeypatch):
+def test_kept_layouts_materialize_a_copy_on_write_state(kind, extra, monkeypatch):
     """A state tensor lazily cloned between steps (copy-on-write storage, same data pointer): the
     step writes a copy of its own, the clone keeps its values, as with the operators."""
     key = "exp_avg" if kind == "lamb" else "momentum_buffer"
@@ -397,10 +407,10 @@ def test_static_lists_materialize_a_copy_on_write_state(kind, extra, monkeypatch
     _both_ways_with_a_change(kind, extra, monkeypatch, change)
 
 
-def test_static_lists_raise_when_a_changed_tensor_no_longer_fits():
-    """A state tensor given data of another size between steps (``.data``: the state mapping sees
-    no edit): BucketLists.accepts sees the change, and the step that gathers again raises naming
-    the param and the key, and changes nothing."""
+def test_kept_layouts_raise_when_a_changed_tensor_no_longer_fits():
+    """A state tensor given data of another size between steps (``.data``): bind sees the
+    change, and the step that checks again raises naming the param and the key, and changes
+    nothing."""
     params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
     opt = _opt("lamb", params)
     _set_grads(params, 0)
@@ -415,20 +425,37 @@ def test_static_lists_raise_when_a_changed_tensor_no_longer_fits():
     _assert_bitwise(_snapshot(params, opt), before)
 
 
-def test_static_lists_are_rebuilt_when_the_state_is_replaced():
+def test_kept_layouts_are_made_again_when_the_state_is_replaced():
     params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
     opt = _opt("lamb", params)
     _set_grads(params, 0)
     opt.step()
     first = _handle(opt, 0)
     assert first is not None
-    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors, a new cache
     opt.step()
     second = _handle(opt, 0)
     assert second is not None and second is not first
     opt.step()
     assert _handle(opt, 0) is second
     assert all(float(opt.state[p]["step"]) == 3 for p in params)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_kept_layout_sees_a_state_entry_that_is_no_tensor(kind):
+    """A state entry replaced by something that is not a tensor after steps: the kept layout's
+    bind cannot take it, the step checks its lists and names the entry, and changes nothing."""
+    params = [torch.nn.Parameter(t) for t in make_tensors(ZOO, torch.float32, 0)]
+    opt = _opt(kind, params)
+    _set_grads(params, 0)
+    opt.step()
+    key = "exp_avg_sq" if kind == "lamb" else "momentum_buffer"
+    opt.state[params[2]][key] = 0.0
+    before = _snapshot(params, opt)
+    with pytest.raises(TypeError, match=rf"param group 0, param 2 of those with grads: state "
+                                        rf"'{key}' is float, not a tensor"):
+        opt.step()
+    _assert_bitwise(_snapshot(params, opt), before)
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
@@ -459,12 +486,12 @@ def _live_tensors(params, opt):
 
 # --------------------------------------------------------------------------- torch operators
 
-def _hyper_list(kind, values):
-    """The operators' ``hyper`` argument: ``values`` in the order the C++ side reads them (Note
-    [hyper fields] in csrc/cpu/ops.h, as ``CppBackend.fields``); every field given, no other."""
-    fields = CPP.fields[kind]
-    assert sorted(fields) == sorted(values)
-    return [float(values[name]) for name in fields]
+def _hyper_tensor(kind, options):
+    """The operators' ``hyper`` argument (Note [hyper fields] in csrc/cpu/ops.h) of ``options``."""
+    from fusedopt import _hyper
+    if kind == "lamb":
+        return _hyper.encode(_hyper.lamb_hyper({**_hyper.LAMB_DEFAULTS, **options}))
+    return _hyper.encode(_hyper.lars_hyper({**_hyper.LARS_DEFAULTS, **options}))
 
 
 def _op_args(kind, n=3, masters=False):
@@ -481,17 +508,12 @@ def _op_args(kind, n=3, masters=False):
     lr = torch.tensor(0.1, dtype=torch.float64)
     ops = torch.ops.fusedopt
     if kind == "lamb":
-        hyper = _hyper_list("lamb", dict(
-            lr=0.1, beta1=0.9, beta2=0.999, beta3=0.1, eps=1e-6, weight_decay=0.01, ratio_lo=0.0,
-            ratio_hi=float("inf"), one_minus_beta2=0.001, lambda_in_u=0.01, bias_correction=1,
-            adapt=1, decoupled=0, bounded=0))
+        hyper = _hyper_tensor("lamb", dict(lr=0.1))
         m = [torch.zeros(s) for s in shapes]
         v = [torch.zeros(s) for s in shapes]
         return [(ops.lamb_pass1.default, (weights, grads, m, v, steps, hyper, gm, fi)),
                 (ops.lamb_pass2.default, (weights, lowp, m, v, steps, sums, hyper, lr, fi))]
-    hyper = _hyper_list("lars", dict(
-        lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-4, trust_coefficient=1e-3, eps=1e-8,
-        one_minus_dampening=1.0, nesterov=0, trust_clip=0, combined=0, lr_in_momentum=1, adapt=1))
+    hyper = _hyper_tensor("lars", dict(lr=0.1, weight_decay=1e-4))
     buf = [torch.zeros(s) for s in shapes]
     return [(ops.lars_pass1.default, (weights, grads, steps, hyper, gm, fi)),
             (ops.lars_pass2.default, (weights, lowp, grads, buf, steps, sums, hyper, lr, gm, fi))]
@@ -531,42 +553,30 @@ def test_fake_tensor_mode():
 
 # ------------------------------------------------------------------ the C++ side's Python API
 
-def test_c_extension_exposes_the_list_cache_api_only():
-    """The plan cache's identity scans and the grads taken in C++ are gone (Note [list cache] in
-    fusedopt/optim.py replaced them); BucketLists takes each step's grads as an argument."""
-    from fusedopt import _C
-    for gone in ("entries_are", "items_are", "dict_items_are", "take_grads",
-                 "taken_grad_sq_norms"):
-        assert not hasattr(_C, gone), gone
-        assert not hasattr(_C.BucketLists, gone), gone
-    for gone in ("take_cached_grads", "fits_cached_bucket"):
-        assert not hasattr(backends.Backend, gone) and not hasattr(CPP, gone), gone
-    for method in ("accepts", "lamb_pass1", "lamb_pass2", "lars_pass1", "lars_pass2"):
-        assert hasattr(_C.BucketLists, method), method
+def test_hyper_fields_of_cpp_are_the_dataclass_fields_in_order():
+    """Note [hyper fields]: the C++ tables read the hyper tensor as the fields of LambHyper /
+    LarsHyper in declaration order, which is how fusedopt._hyper.encode writes it."""
+    from fusedopt import _C, _hyper
+    assert tuple(_C.lamb_fields()) == _hyper.LAMB_FIELDS
+    assert tuple(_C.lars_fields()) == _hyper.LARS_FIELDS
 
 
-def test_hyper_fields_come_from_cpp_and_name_hyper_attributes():
-    """Note [hyper fields]: CppBackend.fields is the C++ enums' order, and every name is a field
-    of LambHyper / LarsHyper (Python fills the doubles by name)."""
-    import dataclasses
-
-    from fusedopt import _C
-    from fusedopt._hyper import LambHyper, LarsHyper
-    assert CPP.fields == {"lamb": tuple(_C.lamb_fields()), "lars": tuple(_C.lars_fields())}
-    for kind, cls in (("lamb", LambHyper), ("lars", LarsHyper)):
-        fields = CPP.fields[kind]
-        names = {f.name for f in dataclasses.fields(cls)}
-        assert fields and len(set(fields)) == len(fields), fields
-        assert all(isinstance(n, str) for n in fields)
-        missing = [n for n in fields if n not in names]
-        assert not missing, f"{kind}: {missing} are not fields of {cls.__name__}"
-        assert "lr" in fields
+def test_hyper_tensor_is_checked():
+    (op, args), _ = _op_args("lamb")
+    bad = list(args)
+    bad[5] = args[5][:-1]
+    with pytest.raises(RuntimeError, match=r"hyper must be a contiguous float64 CPU tensor of 16 "
+                                           r"values"):
+        op(*bad)
+    bad[5] = args[5].float()
+    with pytest.raises(RuntimeError, match="hyper must be"):
+        op(*bad)
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_taken_grads_are_released_when_the_step_raises(kind):
-    """Note [taken grads]: the kept bucket of group 0 accepts (and holds) its grads, then group 1
-    is refused; the step raises and group 0's BucketLists lets go of the grads all the same."""
+def test_bound_grads_are_released_when_the_step_raises(kind):
+    """The kept layout of group 0 binds (and holds) its grads, then group 1 is refused; the step
+    raises and group 0's layout lets go of the grads all the same (Backend.end)."""
     import gc
     import weakref
 

@@ -16,6 +16,10 @@ inside a larger buffer whose guard elements must come out untouched.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import hashlib
+import inspect
+import json
 import math
 import os
 import shlex
@@ -29,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from build_cache import Cache, Hasher
 from fusedopt import _hyper
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
 from helpers import (
@@ -85,11 +90,12 @@ class Build:
     deps: dict[str, list[str]]
 
 
-@pytest.fixture(scope="module")
-def build(tmp_path_factory) -> Build:
-    """The emulation library, built once per test module, two compilers at a time."""
-    out = tmp_path_factory.mktemp("simt")
-    start = time.perf_counter()
+LIB = "libfusedopt_simt.so"
+
+
+def _build_into(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Compile and link the emulation library into ``out``, two compilers at a time; the compiler's
+    output and the files read (from its dependency file), per source."""
     sources = CUDA_SOURCES + SIMT_SOURCES
     objs = [out / (s.stem + (".cu" if s.suffix == ".cu" else "") + ".o") for s in sources]
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -97,17 +103,64 @@ def build(tmp_path_factory) -> Build:
     logs = {s.relative_to(ROOT).as_posix(): log for s, (_, log) in zip(sources, results)}
     for s, (rc, log) in zip(sources, results):
         assert rc == 0, f"{CXX} failed on {s.relative_to(ROOT)}:\n{log[-6000:]}"
-    lib = out / "libfusedopt_simt.so"
-    p = subprocess.run([CXX, "-shared", *EXTRA_FLAGS, "-o", str(lib), *map(str, objs)],
+    p = subprocess.run([CXX, "-shared", *EXTRA_FLAGS, "-o", str(out / LIB), *map(str, objs)],
                        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert p.returncode == 0, f"linking the emulation failed:\n{p.stdout}{p.stderr}"
-    seconds = time.perf_counter() - start
     deps = {}
     for s, o in zip(sources, objs):
         text = o.with_suffix(".d").read_text().replace("\\\n", " ")
         deps[s.relative_to(ROOT).as_posix()] = text.split(":", 1)[1].split()
-    print(f"\nSIMT emulation built in {seconds:.1f} s ({len(sources)} sources, 2 at a time)")
-    return Build(lib, seconds, logs, deps)
+    return logs, deps
+
+
+def _build_key() -> str:
+    """Every input of ``_build_into`` but the system headers: the compiler, the flags, the build
+    code and every file under csrc/ and tests/simt/."""
+    return (Hasher("simt").tool("cxx", CXX).add("flags", (CXX_FLAGS, EXTRA_FLAGS))
+            .add("code", inspect.getsource(_compile) + inspect.getsource(_build_into))
+            .tree("sources", ROOT / "csrc", SIMT).environment().hexdigest())
+
+
+def _read_elsewhere(deps: dict[str, list[str]]) -> dict[str, str | None]:
+    """The files the build read outside csrc/ and tests/simt/ (the system headers), with their
+    sha256: a cached build is reused only while they are unchanged too."""
+    hashed = ((ROOT / "csrc").resolve(), SIMT.resolve())
+    out = {}
+    for d in sorted({d for ds in deps.values() for d in ds}):
+        p = Path(d).resolve()
+        if not any(p.is_relative_to(h) for h in hashed):
+            out[d] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+    return out
+
+
+@pytest.fixture(scope="module")
+def build(request, tmp_path_factory) -> Build:
+    """The emulation library, built once per test module, or the build of an earlier run whose
+    inputs were the same (tests/build_cache.py; only a build that succeeded is kept)."""
+    out = tmp_path_factory.mktemp("simt")
+    cache = Cache(request.config, "simt")
+    key = _build_key()
+    start = time.perf_counter()
+    if (entry := cache.lookup(key)) is not None:
+        meta = json.loads((entry / "build.json").read_text())
+        if _read_elsewhere(meta["deps"]) == meta["elsewhere"]:
+            shutil.copyfile(entry / LIB, out / LIB)
+            print(f"\nSIMT emulation of an earlier run with the same inputs ({entry}; built in "
+                  f"{meta['seconds']:.1f} s)")
+            return Build(out / LIB, time.perf_counter() - start, meta["logs"], meta["deps"])
+        shutil.rmtree(entry, ignore_errors=True)  # a system header changed
+    logs, deps = _build_into(out)
+    seconds = time.perf_counter() - start
+    print(f"\nSIMT emulation built in {seconds:.1f} s ({len(logs)} sources, 2 at a time)")
+    if _build_key() == key:  # no source changed while it was built
+        meta = dict(seconds=seconds, logs=logs, deps=deps, elsewhere=_read_elsewhere(deps))
+
+        def fill(d: Path) -> None:
+            shutil.copyfile(out / LIB, d / LIB)
+            (d / "build.json").write_text(json.dumps(meta))
+
+        cache.store(key, fill)
+    return Build(out / LIB, seconds, logs, deps)
 
 
 # ------------------------------------------------------------------------- ctypes mirrors
@@ -120,18 +173,19 @@ class BucketPtrs(ctypes.Structure):
                 ("param_dtype", ctypes.c_int32), ("steps", ctypes.c_void_p)]
 
 
+def _c_fields(cls) -> list:
+    """The members of math.h's struct for the dataclass ``cls``: its fields in order (Note [hyper
+    fields] in csrc/cpu/ops.h), booleans as bool, every other field a double."""
+    return [(f.name, ctypes.c_bool if f.type == "bool" else ctypes.c_double)
+            for f in dataclasses.fields(cls)]
+
+
 class LambHyperC(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_double) for n in ("lr", "beta1", "beta2", "beta3", "eps",
-                                               "weight_decay", "ratio_lo", "ratio_hi",
-                                               "one_minus_beta2", "lambda_in_u")] + \
-               [(n, ctypes.c_bool) for n in ("bias_correction", "adapt", "decoupled", "bounded")]
+    _fields_ = _c_fields(_hyper.LambHyper)
 
 
 class LarsHyperC(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_double) for n in ("lr", "momentum", "dampening", "weight_decay",
-                                               "trust_coefficient", "eps", "one_minus_dampening")] + \
-               [(n, ctypes.c_bool) for n in ("nesterov", "trust_clip", "combined",
-                                             "lr_in_momentum", "adapt")]
+    _fields_ = _c_fields(_hyper.LarsHyper)
 
 
 class DeviceScalarsC(ctypes.Structure):
@@ -346,12 +400,16 @@ class Lists:
 
 def lamb_hyper(group: dict, lr) -> LambHyperC:
     h = _hyper.lamb_hyper({**_hyper.LAMB_DEFAULTS, **group, "lr": lr})
-    return LambHyperC(**{name: getattr(h, name) for name, _ in LambHyperC._fields_})
+    return LambHyperC(**{name: _c_value(getattr(h, name)) for name, _ in LambHyperC._fields_})
 
 
 def lars_hyper(group: dict, lr) -> LarsHyperC:
     h = _hyper.lars_hyper({**_hyper.LARS_DEFAULTS, **group, "lr": lr})
-    return LarsHyperC(**{name: getattr(h, name) for name, _ in LarsHyperC._fields_})
+    return LarsHyperC(**{name: _c_value(getattr(h, name)) for name, _ in LarsHyperC._fields_})
+
+
+def _c_value(v):
+    return math.nan if v is None else v
 
 
 def _scalar(value, dtype):
@@ -575,6 +633,7 @@ def _eager(case: Case):
 
 # ============================================================================ the emulator
 
+@pytest.mark.build
 def test_emulation_builds_without_warnings(build):
     noisy = {name: log for name, log in build.logs.items() if "warning" in log}
     assert not noisy, "\n".join(f"{name}:\n{log[-3000:]}" for name, log in noisy.items())

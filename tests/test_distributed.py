@@ -264,7 +264,7 @@ def test_no_reducer_without_sharded_params():
     p.grad = torch.randn(3)
     opt = fusedopt.FusedLAMB([p], backend="eager")
     opt.step()
-    assert reducer_for([opt._group(0, opt.param_groups[0])], opt.param_groups) is None
+    assert reducer_for([opt._group(opt.param_groups[0])], opt.param_groups) is None
 
 
 def test_enable_zero_global_clipping_errors():

@@ -341,7 +341,8 @@ def test_adam_state_warm_starts_lamb(backend):
 def test_none_state_tensor_and_complex_grad_are_named(kind, backend):
     opt, groups = _setup(kind, backend)
     opt.state[groups[1][0]][MOMENT[kind]] = None
-    _refused(opt, rf"param 0 of param group 1 has no state tensor '{MOMENT[kind]}'")
+    _refused(opt, rf"param group 1, param 0 of those with grads: state '{MOMENT[kind]}' is "
+                  "NoneType, not a tensor", exc=TypeError)
     opt, groups = _setup(kind, backend)
     groups[1][0].grad.data = torch.randn(5, 3, dtype=torch.complex64)
     _refused(opt, r"does not support complex grads \(param group 1")

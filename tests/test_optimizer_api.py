@@ -488,21 +488,19 @@ def test_excluded_group_gets_plain_update(kind):
     torch.testing.assert_close(bias.detach(), expected, rtol=1e-5, atol=1e-7)
 
 
-# ---------------------------------------------------------------------- list cache (optim.py)
+# ---------------------------------------------------------------- step cache (Note [step cache])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_lists_follow_replaced_state_tensors_and_grad_changes(kind):
-    """Note [list cache]: a state tensor replaced by hand is an edit of the state mapping, so the
-    next step gathers the lists again and updates the new tensor."""
+def test_kept_buckets_follow_replaced_state_tensors_and_grad_changes(kind):
+    """Note [step cache]: the lists are gathered at every step; a state tensor replaced by hand
+    is updated by the next step, whatever the cache keeps."""
     m = model()
     opt = OPTS[kind](m.parameters())
     train(opt, m, 2)
-    assert opt._lists, "a steady group should be cached"
+    assert opt._cache.single, "a steady group should be kept"
     key = "exp_avg" if kind == "lamb" else "momentum_buffer"
     w = m[0].weight
-    edits = opt.state.edits
     fresh = torch.zeros_like(opt.state[w][key])
     opt.state[w][key] = fresh  # replaced by hand: the next step must update the new tensor
-    assert opt.state.edits > edits
     train(opt, m, 1)
     assert fresh.abs().sum() > 0
     # a param losing its grad, a non-contiguous grad, and a changed backend all gather again
@@ -557,9 +555,9 @@ def test_cached_lists_see_a_state_reset_by_hand(kind, backend, reset):
 @pytest.mark.parametrize("change", ["transposed_grad", "bf16_grads"])
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_bucket_refuses_grads_it_cannot_take(kind, backend, change):
-    """Each backend's accepts_grads: a grad with other strides or another dtype sends the step
-    down the full path, which gives the same bits as a step without any cache."""
+def test_kept_bucket_refuses_grads_it_cannot_take(kind, backend, change):
+    """Backend.bind(check=False): a grad with other strides or another dtype sends the step down
+    the checked path, which gives the same bits as a step without any cache."""
     results = []
     for use_cache in (True, False):
         m = model()
@@ -578,14 +576,14 @@ def test_cached_bucket_refuses_grads_it_cannot_take(kind, backend, change):
                         p.grad_dtype = torch.bfloat16  # torch >= 2.10 checks grad dtypes
                         p.grad = g.to(torch.bfloat16)
             if not use_cache:
-                opt._lists.clear()
+                opt._fresh()
             opt.step()
         results.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_cached_and_uncached_steps_agree(kind):
+def test_kept_and_fresh_steps_agree(kind):
     results = []
     for use_cache in (True, False):
         m = model()
@@ -595,7 +593,7 @@ def test_cached_and_uncached_steps_agree(kind):
             opt.zero_grad()
             m(torch.randn(8, 6, generator=gen)).square().mean().backward()
             if not use_cache:
-                opt._lists.clear()
+                opt._fresh()
             opt.step()
         results.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -395,7 +395,7 @@ def broken_pass2(monkeypatch):
         raise RuntimeError("PTXAS error: injected")
 
     monkeypatch.setattr(klamb.lamb_pass2_kernel, "warmup", fail)
-    monkeypatch.setattr(backends.get_backend("triton"), "_compiled", set())
+    monkeypatch.setattr(triton_backend, "_compiled", set())
     monkeypatch.setattr(backends, "_broken", {})
     monkeypatch.setitem(backends._AUTO_ORDER, DEVICE, ("triton", "eager"))
 
@@ -426,7 +426,7 @@ def test_explicit_backend_raises_on_a_compile_failure_and_changes_nothing(monkey
     _set_grads(params, 2)
     from fusedopt import backends
     from fusedopt.kernels import lamb as klamb
-    monkeypatch.setattr(backends.get_backend("triton"), "_compiled", set())
+    monkeypatch.setattr(triton_backend, "_compiled", set())
     monkeypatch.setattr(klamb.lamb_pass2_kernel, "warmup",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
     with pytest.raises(backends.BackendCompileError, match="lamb_pass2_kernel.*injected"):

@@ -245,14 +245,14 @@ class _Driver:
             lists = _bucket_tensors(*x["dtypes"], x["layout"])
             for name in (("momentum_buffers",) if kind == "lamb" else ("exp_avgs", "exp_avg_sqs")):
                 lists.pop(name)
-            self.buckets[key] = (lists, {})
-        lists, workspaces = self.buckets[key]
+            self.buckets[key] = (lists, functional.StepCache())
+        lists, cache = self.buckets[key]
         h = dataclasses.replace(base, **{n[2:]: v for n, v in x.items() if n.startswith("h.")})
-        g = functional.TensorGroup(**lists, hyper=h, backend=self.be, workspaces=workspaces)
+        g = functional.TensorGroup(**lists, hyper=h, backend=self.be)
         gs, fi = x["grad_scale"], x["found_inf"]
         first = len(self.sink)
         functional.trust_ratio_step(
-            kind, [g], grad_scale=None if gs is None else torch.tensor(gs, dtype=torch.float32),
+            kind, [g], cache=cache, grad_scale=None if gs is None else torch.tensor(gs, dtype=torch.float32),
             found_inf=None if fi is None else torch.tensor(fi, dtype=torch.float32))
         self.steps += 1
         return self.sink[first:]

@@ -114,14 +114,16 @@ T grad_multiplier(const std::optional<at::Tensor>& grad_mult) {
 
 // ------------------------------------------------------------------------- hyper-parameters
 
-LambHyper lamb_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr) {
-  LambHyper h = lamb_hyper_from(x);
+constexpr const char* kWho = "fusedopt cpp backend: ";
+
+LambHyper lamb_hyper(const at::Tensor& hyper, const std::optional<at::Tensor>& lr) {
+  LambHyper h = lamb_hyper_from(hyper, kWho);
   if (lr.has_value()) h.lr = read_scalar(*lr, "lr");
   return h;
 }
 
-LarsHyper lars_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr) {
-  LarsHyper h = lars_hyper_from(x);
+LarsHyper lars_hyper(const at::Tensor& hyper, const std::optional<at::Tensor>& lr) {
+  LarsHyper h = lars_hyper_from(hyper, kWho);
   if (lr.has_value()) h.lr = read_scalar(*lr, "lr");
   return h;
 }
@@ -132,10 +134,10 @@ LarsHyper lars_hyper(at::ArrayRef<double> x, const std::optional<at::Tensor>& lr
 // writes nothing and bumps nothing. The bumps run in one loop before the pass's parallel region:
 // bumped inside the region, in the first chunk of each tensor, each atomic increment had to wait
 // for the chunk loop's pending stores (docs/performance.md, "Measurements behind the Notes").
-void bump_versions(std::initializer_list<at::TensorList> lists) {
-  for (at::TensorList ts : lists) {
-    for (const at::Tensor& t : ts) {
-      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+void bump_versions(std::initializer_list<const TensorPtrs*> lists) {
+  for (const TensorPtrs* ts : lists) {
+    for (const at::Tensor* t : *ts) {
+      c10::TensorImpl* impl = t->unsafeGetTensorImpl();
       if (impl->version_counter().enabled()) impl->bump_version();
     }
   }
@@ -338,19 +340,16 @@ FUSEDOPT_INLINE void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t 
 
 // ------------------------------------------------------------------------- checked lists
 
-// A state list of a pass and its name in errors.
-struct StateList {
-  at::TensorList tensors;
-  const char* name;
-};
-
-// Checks the lists a bucket keeps from step to step (Note [static lists] in ops.h) and returns the
-// weights' dtype; params may be empty (no masters).
-at::ScalarType check_static_lists(at::TensorList weights, at::TensorList params,
-                                  std::initializer_list<StateList> state, at::TensorList steps) {
+// Checks the lists that a kept layout keeps from step to step (Note [kept layout] in ops.h) and
+// returns the weights' dtype. params may be empty (no masters), state_b too (LARS), and both state
+// lists for an operator whose pass reads no state.
+at::ScalarType check_kept_lists(at::TensorList weights, at::TensorList params,
+                                at::TensorList state_a, at::TensorList state_b,
+                                at::TensorList steps) {
   const at::ScalarType w_dtype = check_list(weights, weights, "weights");
   if (!params.empty()) check_list(params, weights, "params");
-  for (const StateList& s : state) check_state(s.tensors, weights, compute_dtype(w_dtype), s.name);
+  if (!state_a.empty()) check_state(state_a, weights, compute_dtype(w_dtype), "state");
+  if (!state_b.empty()) check_state(state_b, weights, compute_dtype(w_dtype), "state");
   check_steps(steps, weights);
   return w_dtype;
 }
@@ -363,25 +362,38 @@ std::vector<void*> data_ptrs(at::TensorList ts) {
   return p;
 }
 
-std::vector<const void*> const_data_ptrs(at::TensorList ts) {
+std::vector<const void*> const_data_ptrs(const TensorPtrs& ts) {
   std::vector<const void*> p(ts.size());
-  for (size_t i = 0; i < ts.size(); ++i) p[i] = ts[i].const_data_ptr();
+  for (size_t i = 0; i < ts.size(); ++i) p[i] = ts[i]->const_data_ptr();
   return p;
+}
+
+// The tensors a list points to, as a list of tensors (for the checks, which take TensorLists).
+std::vector<at::Tensor> tensors(const TensorPtrs& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor* t : ts) out.push_back(*t);
+  return out;
+}
+
+TensorPtrs ptrs(at::TensorList ts) {
+  TensorPtrs out(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) out[i] = &ts[i];
+  return out;
 }
 
 }  // namespace
 
 // Note [checked lists]: the chunk loops of a pass need only the dtypes and data pointers of a
-// bucket's lists and its chunk table. The operators check their lists and build these on every
-// call. A BucketLists checks its static lists and builds them once; at each step it only looks
-// whether a tensor of those lists changed what the checks saw (Fingerprints: device, dtype,
-// sizes, strides, data pointer, not copy-on-write; a few inline loads per tensor), and if one did
-// (`p.data = ...`, `model.to(memory_format=...)`, `share_memory_()`, a lazy clone) checks them
-// all again on one thread as the operators do, raising their errors, and rebuilds. The look is
-// shared by the threads (tensor ranges, above kTensorGrain tensors), and pass 2 reuses what pass 1
-// of the same step checked. The grads, new every step, are checked in every pass.
-// Checking each list in each pass cost a few microseconds per tensor and step (docs/performance.md,
-// "Measurements behind the Notes").
+// bucket's lists and its chunk table. A kept layout checks its lists and builds these once; at each
+// later bind it only looks whether the lists it is given are the tensors the checks saw
+// (Fingerprints: device, dtype, sizes, strides, data pointer, not copy-on-write; a few inline
+// loads per tensor). If one is not (`p.data = ...`, `model.to(memory_format=...)`,
+// `share_memory_()`, a lazy clone, a state tensor replaced), bind says so and the caller checks
+// everything again, naming what is wrong. The look is shared by the threads (tensor ranges, above
+// kTensorGrain tensors). The grads, new every step, are checked at every bind. Checking every list
+// in every pass cost a few microseconds per tensor and step (docs/performance.md, "Measurements
+// behind the Notes").
 struct CheckedLists {
   at::ScalarType weight_dtype = at::kFloat;
   at::ScalarType param_dtype = at::kFloat;  // of params, when there are
@@ -413,13 +425,13 @@ struct CheckedLists {
 constexpr size_t kAheadImpl = 16;
 constexpr size_t kAheadStorage = 8;
 
-inline void prefetch_metadata(at::TensorList ts, size_t j, size_t end) {
+inline void prefetch_metadata(const TensorPtrs& ts, size_t j, size_t end) {
   if (j + kAheadImpl < end) {
-    const char* a = reinterpret_cast<const char*>(ts[j + kAheadImpl].unsafeGetTensorImpl());
+    const char* a = reinterpret_cast<const char*>(ts[j + kAheadImpl]->unsafeGetTensorImpl());
     for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64) __builtin_prefetch(a + b);
   }
   if (j + kAheadStorage < end) {
-    const c10::TensorImpl* t = ts[j + kAheadStorage].unsafeGetTensorImpl();
+    const c10::TensorImpl* t = ts[j + kAheadStorage]->unsafeGetTensorImpl();
     __builtin_prefetch(t->unsafe_storage().unsafeGetStorageImpl());  // may be null: harmless
   }
 }
@@ -427,10 +439,10 @@ inline void prefetch_metadata(at::TensorList ts, size_t j, size_t end) {
 // What the checks saw of each tensor of some lists (Note [checked lists]).
 class Fingerprints {
  public:
-  void add(at::TensorList ts) {
+  void add(const TensorPtrs& ts) {
     lists_.push_back({seen_.size(), ts.size()});
-    for (const at::Tensor& t : ts) {
-      c10::TensorImpl* i = t.unsafeGetTensorImpl();
+    for (const at::Tensor* t : ts) {
+      c10::TensorImpl* i = t->unsafeGetTensorImpl();
       seen_.push_back(
           {i->mutable_data(), i->dtype(), i->device_type(), geometry_.size(), i->dim()});
       geometry_.insert(geometry_.end(), i->sizes().begin(), i->sizes().end());
@@ -444,12 +456,12 @@ class Fingerprints {
   bool unchanged(const Lists& lists, size_t begin, size_t end) const {
     if (lists.size() != lists_.size()) return false;
     for (size_t l = 0; l < lists_.size(); ++l) {
-      const at::TensorList ts = lists[l];
+      const TensorPtrs& ts = *lists[l];
       if (ts.size() != lists_[l].size) return false;
       const size_t stop = std::min(end, ts.size());
       for (size_t j = begin; j < stop; ++j) {
         prefetch_metadata(ts, j, stop);
-        if (!same(ts[j].unsafeGetTensorImpl(), seen_[lists_[l].first + j])) return false;
+        if (!same(ts[j]->unsafeGetTensorImpl(), seen_[lists_[l].first + j])) return false;
       }
     }
     return true;
@@ -689,265 +701,197 @@ at::Tensor sq_norms(at::TensorList tensors) {
   return sq_norms_over(ChunkTable(numels(dense)), dtypes, ptrs, any_double);
 }
 
+// The operators: a layout made, checked and bound for one call (Note [kept layout] in ops.h).
+namespace {
+
+// Binds the lists to k, checking them all (the lists live as long as the operator's call).
+KeptLayout& bound(KeptLayout&& k, at::TensorList weights, at::TensorList params,
+                  at::TensorList state_a, at::TensorList state_b, at::TensorList steps,
+                  at::TensorList grads) {
+  k.bind({ptrs(weights), ptrs(params), ptrs(state_a), ptrs(state_b), ptrs(steps), ptrs(grads)},
+         at::kFloat, /*check=*/true);
+  return k;
+}
+
+}  // namespace
+
 at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList steps, at::ArrayRef<double> hyper,
+                      at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& hyper,
                       const std::optional<at::Tensor>& grad_mult,
                       const std::optional<at::Tensor>& found_inf) {
-  const int64_t n = static_cast<int64_t>(weights.size());
-  const at::ScalarType w_dtype = check_static_lists(
-      weights, {}, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}}, steps);
-  const at::ScalarType g_dtype = check_list(grads, weights, "grads");
-  const LambHyper h = lamb_hyper(hyper, std::nullopt);
-  if (n == 0 || step_skipped(found_inf)) {
-    return at::zeros({n, 2}, at::dtype(compute_dtype(w_dtype)));
-  }
-  bump_versions({exp_avgs, exp_avg_sqs, steps});
-  return run_lamb_pass1(CheckedLists(w_dtype, weights, {}, exp_avgs, exp_avg_sqs, steps),
-                        const_data_ptrs(grads), g_dtype, h, grad_mult);
+  return bound(KeptLayout(), weights, {}, exp_avgs, exp_avg_sqs, steps, grads)
+      .lamb_pass1(hyper, grad_mult, found_inf);
 }
 
 void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& sums,
-                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const at::Tensor& hyper, const std::optional<at::Tensor>& lr,
                 const std::optional<at::Tensor>& found_inf) {
-  const int64_t n = static_cast<int64_t>(weights.size());
-  const at::ScalarType w_dtype = check_static_lists(
-      weights, params, {{exp_avgs, "exp_avgs"}, {exp_avg_sqs, "exp_avg_sqs"}}, steps);
-  const LambHyper h = lamb_hyper(hyper, lr);
-  if (n == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights, params});
-  run_lamb_pass2(CheckedLists(w_dtype, weights, params, exp_avgs, exp_avg_sqs, steps), sums, h);
+  bound(KeptLayout(), weights, params, exp_avgs, exp_avg_sqs, steps, {}).lamb_pass2(sums, hyper, lr, found_inf);
 }
 
 at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorList steps,
-                      at::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_mult,
+                      const at::Tensor& hyper, const std::optional<at::Tensor>& grad_mult,
                       const std::optional<at::Tensor>& found_inf) {
-  const int64_t n = static_cast<int64_t>(weights.size());
-  const at::ScalarType w_dtype = check_static_lists(weights, {}, {}, steps);
-  const at::ScalarType g_dtype = check_list(grads, weights, "grads");
-  const LarsHyper h = lars_hyper(hyper, std::nullopt);
-  if (n == 0 || step_skipped(found_inf)) {
-    return at::zeros({n, 2}, at::dtype(compute_dtype(w_dtype)));
-  }
-  bump_versions({steps});
-  return run_lars_pass1(CheckedLists(w_dtype, weights, {}, {}, {}, steps), const_data_ptrs(grads),
-                        g_dtype, h, grad_mult);
+  return bound(KeptLayout(), weights, {}, {}, {}, steps, grads).lars_pass1(hyper, grad_mult, found_inf);
 }
 
 void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList grads,
                 at::TensorList momentum_buffers, at::TensorList steps, const at::Tensor& sums,
-                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const at::Tensor& hyper, const std::optional<at::Tensor>& lr,
                 const std::optional<at::Tensor>& grad_mult,
                 const std::optional<at::Tensor>& found_inf) {
-  const int64_t n = static_cast<int64_t>(weights.size());
-  const at::ScalarType w_dtype = check_static_lists(
-      weights, params, {{momentum_buffers, "momentum_buffers"}}, steps);
-  const at::ScalarType g_dtype = check_list(grads, weights, "grads");
-  const LarsHyper h = lars_hyper(hyper, lr);
-  if (n == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights, params, momentum_buffers});
-  run_lars_pass2(CheckedLists(w_dtype, weights, params, momentum_buffers, {}, steps),
-                 const_data_ptrs(grads), g_dtype, sums, h, grad_mult);
+  bound(KeptLayout(), weights, params, momentum_buffers, {}, steps, grads)
+      .lars_pass2(sums, hyper, lr, grad_mult, found_inf);
 }
 
-// ----------------------------------------------------------------------------- BucketLists
+// ------------------------------------------------------------------------------ KeptLayout
 
-BucketLists::BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor> params,
-                         std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-                         std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps)
-    : weights_(std::move(weights)),
-      params_(std::move(params)),
-      exp_avgs_(std::move(exp_avgs)),
-      exp_avg_sqs_(std::move(exp_avg_sqs)),
-      momentum_buffers_(std::move(momentum_buffers)),
-      steps_(std::move(steps)) {
-  recheck();
-  weight_dtype_ = checked_->weight_dtype;
-  param_dtype_ = params_.empty() ? weight_dtype_ : params_[0].scalar_type();
-}
+KeptLayout::KeptLayout() = default;
+KeptLayout::~KeptLayout() = default;
 
-BucketLists::~BucketLists() = default;
-
-void BucketLists::recheck() {
+bool KeptLayout::bind(std::array<TensorPtrs, 6> lists, at::ScalarType grad_dtype, bool check) {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
+  bound_.reset();
+  Bound b{std::move(lists[0]), std::move(lists[1]), std::move(lists[2]), std::move(lists[3]),
+          std::move(lists[4]), std::move(lists[5]), grad_dtype};
+  if (!check) {
+    // the grads must have the dtype they had when checked: the kernels were chosen for it
+    if (checked_ == nullptr || grad_dtype != checked_grad_dtype_ || !unchanged(b) ||
+        !grads_fit(b)) {
+      return false;
+    }
+    bound_ = std::move(b);
+    return true;
+  }
   checked_.reset();
   fingerprints_.reset();
-  const bool lars = !momentum_buffers_.empty();  // else LAMB lists (or none at all)
-  const at::ScalarType w_dtype =
-      lars ? check_static_lists(weights_, params_, {{momentum_buffers_, "momentum_buffers"}},
-                                steps_)
-           : check_static_lists(weights_, params_,
-                                {{exp_avgs_, "exp_avgs"}, {exp_avg_sqs_, "exp_avg_sqs"}}, steps_);
+  const std::vector<at::Tensor> w = tensors(b.weights), p = tensors(b.params),
+                                sa = tensors(b.state_a), sb = tensors(b.state_b),
+                                st = tensors(b.steps);
+  const at::ScalarType w_dtype = check_kept_lists(w, p, sa, sb, st);
+  if (!b.grads.empty()) b.grad_dtype = check_list(tensors(b.grads), w, "grads");
   auto fp = std::make_unique<Fingerprints>();
-  for (at::TensorList ts : static_lists()) fp->add(ts);
-  const at::TensorList state_a = lars ? momentum_buffers_ : exp_avgs_;
-  const at::TensorList state_b = lars ? at::TensorList() : at::TensorList(exp_avg_sqs_);
-  checked_ = std::make_unique<CheckedLists>(w_dtype, weights_, params_, state_a, state_b, steps_);
+  for (const TensorPtrs* ts : kept_lists(b)) fp->add(*ts);
+  checked_ = std::make_unique<CheckedLists>(w_dtype, w, p, sa, sb, st);
+  checked_grad_dtype_ = b.grad_dtype;
   fingerprints_ = std::move(fp);
+  bound_ = std::move(b);
+  return true;
 }
 
-std::array<at::TensorList, 6> BucketLists::static_lists() const {
-  return {weights_, params_, exp_avgs_, exp_avg_sqs_, momentum_buffers_, steps_};
+void KeptLayout::end() {
+  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
+  bound_.reset();
 }
 
-const CheckedLists& BucketLists::checked(bool reuse) {
-  if (!reuse && !static_lists_unchanged()) recheck();
-  return *checked_;
+std::array<const TensorPtrs*, 5> KeptLayout::kept_lists(const Bound& b) {
+  return {&b.weights, &b.params, &b.state_a, &b.state_b, &b.steps};
 }
 
-bool BucketLists::static_lists_unchanged(int64_t begin, int64_t end) const {
-  // no checked lists: a recheck raised, the lists are not usable yet
-  return checked_ != nullptr && fingerprints_->unchanged(static_lists(), begin, end);
-}
-
-bool BucketLists::static_lists_unchanged() const {
+bool KeptLayout::unchanged(const Bound& b) const {
+  const std::array<const TensorPtrs*, 5> lists = kept_lists(b);
   std::atomic<bool> same{true};
-  at::parallel_for(0, static_cast<int64_t>(weights_.size()), kTensorGrain,
+  at::parallel_for(0, static_cast<int64_t>(b.weights.size()), kTensorGrain,
                    [&](int64_t begin, int64_t end) {
-                     if (!static_lists_unchanged(begin, end)) same = false;
+                     if (!fingerprints_->unchanged(lists, begin, end)) same = false;
                    });
-  return same;
+  return same && b.weights.size() == static_cast<size_t>(checked_->size());
 }
 
-bool BucketLists::grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_dtype) const {
-  const at::Tensor& w = weights_[i];
-  if (w.scalar_type() != weight_dtype_ ||
-      (!params_.empty() && params_[i].scalar_type() != param_dtype_) || !g.defined() ||
-      g.layout() != at::kStrided || g.scalar_type() != grad_dtype || !g.device().is_cpu() ||
-      !g.is_non_overlapping_and_dense()) {
-    return false;
+bool KeptLayout::grads_fit(const Bound& b) const {
+  if (b.grads.size() != b.weights.size()) return false;
+  for (size_t i = 0; i < b.grads.size(); ++i) {
+    const at::Tensor& g = *b.grads[i];
+    if (!g.defined() || g.layout() != at::kStrided || g.scalar_type() != b.grad_dtype ||
+        !g.device().is_cpu() || !g.is_non_overlapping_and_dense() ||
+        !same_layout(g, *b.weights[i])) {
+      return false;
+    }
   }
-  return same_layout(g, w);
+  return true;
 }
 
-bool BucketLists::accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const {
-  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  checked_by_accepts_ = false;
-  taken_.clear();
-  if (grads.size() != weights_.size()) return false;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (!grad_fits(grads[i], i, grad_dtype)) return false;
+const KeptLayout::Bound& KeptLayout::bound() const {
+  TORCH_CHECK(bound_.has_value() && checked_ != nullptr, kWho, "no lists bound (bind() first)");
+  return *bound_;
+}
+
+// The bound state lists hold `lists` of the weights' length each, and the grads too if `grads`.
+void require(const TensorPtrs& weights, std::initializer_list<const char*> names,
+             std::initializer_list<const TensorPtrs*> lists) {
+  auto name = names.begin();
+  for (const TensorPtrs* l : lists) {
+    TORCH_CHECK(l->size() == weights.size(), kWho, "this pass needs ", *name, " for each of the ",
+                weights.size(), " weights, got ", l->size());
+    ++name;
   }
-  checked_by_accepts_ = static_lists_unchanged();
-  if (checked_by_accepts_) taken_ = grads;  // Note [taken grads]
-  return checked_by_accepts_;
 }
 
-// Note [taken grads]: a copy of the held vector (reference counts, no Python) under the mutex,
-// then the method of the same name without the suffix.
-at::Tensor BucketLists::lamb_pass1_taken(const std::vector<double>& hyper,
-                                         const std::optional<at::Tensor>& grad_mult,
-                                         const std::optional<at::Tensor>& found_inf) {
-  return lamb_pass1(taken(), hyper, grad_mult, found_inf);
-}
-
-at::Tensor BucketLists::lars_pass1_taken(const std::vector<double>& hyper,
-                                         const std::optional<at::Tensor>& grad_mult,
-                                         const std::optional<at::Tensor>& found_inf) {
-  return lars_pass1(taken(), hyper, grad_mult, found_inf);
-}
-
-void BucketLists::lars_pass2_taken(const at::Tensor& sums, const std::vector<double>& hyper,
-                                   const std::optional<at::Tensor>& lr,
-                                   const std::optional<at::Tensor>& grad_mult,
-                                   const std::optional<at::Tensor>& found_inf) {
-  lars_pass2(taken(), sums, hyper, lr, grad_mult, found_inf);
-}
-
-// The taken grads have the weights' numels (accepts), so the checked chunk table serves them.
-at::Tensor BucketLists::grad_sq_norms_taken() {
+at::Tensor KeptLayout::grad_sq_norms() {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  TORCH_CHECK(checked_by_accepts_ && taken_.size() == weights_.size(),
-              "fusedopt cpp backend: no grads taken (accepts() did not accept this step's grads)");
-  if (taken_.empty()) return at::zeros({0}, at::dtype(at::kFloat));
-  const at::ScalarType g_dtype = taken_[0].scalar_type();
-  const std::vector<at::ScalarType> dtypes(taken_.size(), g_dtype);
-  return sq_norms_over(checked_->table, dtypes, const_data_ptrs(taken_), g_dtype == at::kDouble);
+  const Bound& b = bound();
+  require(b.weights, {"grads"}, {&b.grads});
+  if (b.grads.empty()) return at::zeros({0}, at::dtype(at::kFloat));
+  const std::vector<at::ScalarType> dtypes(b.grads.size(), b.grad_dtype);
+  // the bound grads have the weights' numels (grads_fit, check_list): the checked table serves
+  return sq_norms_over(checked_->table, dtypes, const_data_ptrs(b.grads),
+                       b.grad_dtype == at::kDouble);
 }
 
-std::vector<at::Tensor> BucketLists::taken() const {
+at::Tensor KeptLayout::lamb_pass1(const at::Tensor& hyper,
+                                  const std::optional<at::Tensor>& grad_mult,
+                                  const std::optional<at::Tensor>& found_inf) {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  TORCH_CHECK(!taken_.empty() || weights_.empty(),
-              "fusedopt cpp backend: no grads taken (accepts() did not accept this step's grads)");
-  return taken_;
-}
-
-void BucketLists::release() {
-  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  taken_.clear();
-}
-
-template <typename Run>
-at::Tensor BucketLists::pass1(const std::vector<at::Tensor>& grads,
-                              const std::optional<at::Tensor>& found_inf, const Run& run) {
-  checked_by_pass1_ = false;
-  const CheckedLists& d = checked(/*reuse=*/checked_by_accepts_);
-  checked_by_accepts_ = false;
-  const at::ScalarType g_dtype = check_list(grads, weights_, "grads");
-  at::Tensor sums;
-  if (d.size() == 0 || step_skipped(found_inf)) {
-    sums = at::zeros({d.size(), 2}, at::dtype(compute_dtype(d.weight_dtype)));
-  } else {
-    bump_versions({exp_avgs_, exp_avg_sqs_, steps_});  // LARS has no exp_avgs: steps only
-    sums = run(d, const_data_ptrs(grads), g_dtype);
-  }
-  checked_by_pass1_ = true;
-  return sums;
-}
-
-void BucketLists::require_state(bool lamb) const {
-  TORCH_CHECK((lamb ? exp_avgs_ : momentum_buffers_).size() == weights_.size(),
-              "fusedopt cpp backend: these BucketLists hold no ", lamb ? "LAMB" : "LARS", " state");
-}
-
-at::Tensor BucketLists::lamb_pass1(const std::vector<at::Tensor>& grads,
-                                   const std::vector<double>& hyper,
-                                   const std::optional<at::Tensor>& grad_mult,
-                                   const std::optional<at::Tensor>& found_inf) {
-  const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  require_state(/*lamb=*/true);
+  const Bound& b = bound();
+  require(b.weights, {"grads", "exp_avgs", "exp_avg_sqs"}, {&b.grads, &b.state_a, &b.state_b});
   const LambHyper h = lamb_hyper(hyper, std::nullopt);
-  return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt) {
-    return run_lamb_pass1(d, gp, gt, h, grad_mult);
-  });
+  const int64_t n = checked_->size();
+  if (n == 0 || step_skipped(found_inf)) {
+    return at::zeros({n, 2}, at::dtype(compute_dtype(checked_->weight_dtype)));
+  }
+  bump_versions({&b.state_a, &b.state_b, &b.steps});
+  return run_lamb_pass1(*checked_, const_data_ptrs(b.grads), b.grad_dtype, h, grad_mult);
 }
 
-void BucketLists::lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
-                             const std::optional<at::Tensor>& lr,
-                             const std::optional<at::Tensor>& found_inf) {
+void KeptLayout::lamb_pass2(const at::Tensor& sums, const at::Tensor& hyper,
+                            const std::optional<at::Tensor>& lr,
+                            const std::optional<at::Tensor>& found_inf) {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  require_state(/*lamb=*/true);
-  const CheckedLists& d = checked(/*reuse=*/std::exchange(checked_by_pass1_, false));
+  const Bound& b = bound();
+  require(b.weights, {"exp_avgs", "exp_avg_sqs"}, {&b.state_a, &b.state_b});
   const LambHyper h = lamb_hyper(hyper, lr);
-  if (d.size() == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights_, params_});
-  run_lamb_pass2(d, sums, h);
+  if (checked_->size() == 0 || step_skipped(found_inf)) return;
+  bump_versions({&b.weights, &b.params});
+  run_lamb_pass2(*checked_, sums, h);
 }
 
-at::Tensor BucketLists::lars_pass1(const std::vector<at::Tensor>& grads,
-                                   const std::vector<double>& hyper,
-                                   const std::optional<at::Tensor>& grad_mult,
-                                   const std::optional<at::Tensor>& found_inf) {
+at::Tensor KeptLayout::lars_pass1(const at::Tensor& hyper,
+                                  const std::optional<at::Tensor>& grad_mult,
+                                  const std::optional<at::Tensor>& found_inf) {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  require_state(/*lamb=*/false);
+  const Bound& b = bound();
+  require(b.weights, {"grads"}, {&b.grads});
   const LarsHyper h = lars_hyper(hyper, std::nullopt);
-  return pass1(grads, found_inf, [&](const CheckedLists& d, const auto& gp, at::ScalarType gt) {
-    return run_lars_pass1(d, gp, gt, h, grad_mult);
-  });
+  const int64_t n = checked_->size();
+  if (n == 0 || step_skipped(found_inf)) {
+    return at::zeros({n, 2}, at::dtype(compute_dtype(checked_->weight_dtype)));
+  }
+  bump_versions({&b.steps});
+  return run_lars_pass1(*checked_, const_data_ptrs(b.grads), b.grad_dtype, h, grad_mult);
 }
 
-void BucketLists::lars_pass2(const std::vector<at::Tensor>& grads, const at::Tensor& sums,
-                             const std::vector<double>& hyper,
-                             const std::optional<at::Tensor>& lr,
-                             const std::optional<at::Tensor>& grad_mult,
-                             const std::optional<at::Tensor>& found_inf) {
+void KeptLayout::lars_pass2(const at::Tensor& sums, const at::Tensor& hyper,
+                            const std::optional<at::Tensor>& lr,
+                            const std::optional<at::Tensor>& grad_mult,
+                            const std::optional<at::Tensor>& found_inf) {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
-  require_state(/*lamb=*/false);
-  const CheckedLists& d = checked(/*reuse=*/std::exchange(checked_by_pass1_, false));
-  const at::ScalarType g_dtype = check_list(grads, weights_, "grads");
+  const Bound& b = bound();
+  require(b.weights, {"grads", "momentum_buffers"}, {&b.grads, &b.state_a});
   const LarsHyper h = lars_hyper(hyper, lr);
-  if (d.size() == 0 || step_skipped(found_inf)) return;
-  bump_versions({weights_, params_, momentum_buffers_});
-  run_lars_pass2(d, const_data_ptrs(grads), g_dtype, sums, h, grad_mult);
+  if (checked_->size() == 0 || step_skipped(found_inf)) return;
+  bump_versions({&b.weights, &b.params, &b.state_a});
+  run_lars_pass2(*checked_, const_data_ptrs(b.grads), b.grad_dtype, sums, h, grad_mult);
 }
 
 }  // namespace cpu

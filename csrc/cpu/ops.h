@@ -14,24 +14,27 @@
 namespace fusedopt {
 namespace cpu {
 
-// Note [hyper fields]: the order of the doubles in the `float[] hyper` argument of the ops
-// (booleans as 0/1) is one table per optimizer, X(Enumerator, member): the enum below, the names
-// that fusedopt._C.lamb_fields() / lars_fields() give Python, and the parsing into LambHyper /
-// LarsHyper (math.h) are all generated from it, so that they cannot disagree; a field's name in
-// Python is its member's name, so Python can build `hyper` by name instead of keeping a copy of
-// the order. A new member of LambHyper / LarsHyper needs a row here (the parsing sets only the
-// rows' members).
+// Note [hyper fields]: the host-side scalars of a step reach every kernel in one encoding, the
+// `Tensor hyper` argument: a float64 CPU tensor holding the fields of the Python dataclass
+// LambHyper / LarsHyper (fusedopt/_hyper.py, `encode`) in declaration order, booleans as 0/1 and
+// a missing value as NaN. Under torch.compile the tensor is built in the graph from the group's
+// options, so a scheduler that changes a float option changes a graph input, not a constant of
+// the graph. The tables below, X(Enumerator, member), list the fields in that order; the enums,
+// the names that fusedopt._C.lamb_fields() / lars_fields() give Python (a test compares them with
+// the dataclasses) and the parsing into the LambHyper / LarsHyper of math.h are generated from
+// them, so that they cannot disagree.
 #define FUSEDOPT_LAMB_FIELDS(X)                                                              \
   X(Lr, lr) X(Beta1, beta1) X(Beta2, beta2) X(Beta3, beta3) X(Eps, eps)                      \
-  X(WeightDecay, weight_decay) X(RatioLo, ratio_lo) X(RatioHi, ratio_hi)                     \
-  X(OneMinusBeta2, one_minus_beta2) X(LambdaInU, lambda_in_u)                                \
-  X(BiasCorrection, bias_correction) X(Adapt, adapt) X(Decoupled, decoupled) X(Bounded, bounded)
+  X(WeightDecay, weight_decay) X(BiasCorrection, bias_correction) X(Adapt, adapt)            \
+  X(Decoupled, decoupled) X(Bounded, bounded) X(RatioLo, ratio_lo) X(RatioHi, ratio_hi)      \
+  X(MaxGradNorm, max_grad_norm) X(OneMinusBeta2, one_minus_beta2) X(LambdaInU, lambda_in_u)  \
+  X(DecoupledLambda, decoupled_lambda)
 
 #define FUSEDOPT_LARS_FIELDS(X)                                                              \
   X(Lr, lr) X(Momentum, momentum) X(Dampening, dampening) X(WeightDecay, weight_decay)       \
-  X(TrustCoefficient, trust_coefficient) X(Eps, eps) X(OneMinusDampening, one_minus_dampening) \
-  X(Nesterov, nesterov)                                                                      \
-  X(TrustClip, trust_clip) X(Combined, combined) X(LrInMomentum, lr_in_momentum) X(Adapt, adapt)
+  X(TrustCoefficient, trust_coefficient) X(Eps, eps) X(Nesterov, nesterov)                   \
+  X(TrustClip, trust_clip) X(Combined, combined) X(LrInMomentum, lr_in_momentum)             \
+  X(Adapt, adapt) X(MaxGradNorm, max_grad_norm) X(OneMinusDampening, one_minus_dampening)
 
 enum LambField {
 #define FUSEDOPT_ENUMERATOR(name, member) kLamb##name,
@@ -55,14 +58,24 @@ inline constexpr std::array<const char*, kLarsFields> kLarsFieldNames = {
     FUSEDOPT_LARS_FIELDS(FUSEDOPT_FIELD_NAME)};
 #undef FUSEDOPT_FIELD_NAME
 
-// A field of a hyper list: a double, or a boolean given as 0/1.
+// A field of a hyper tensor: a double, or a boolean given as 0/1.
 inline void set_field(double& field, double x) { field = x; }
 inline void set_field(bool& field, double x) { field = x != 0.0; }
 
-// The LambHyper / LarsHyper of a `hyper` list, with its lr (the ops override it with a tensor lr).
-inline LambHyper lamb_hyper_from(at::ArrayRef<double> x) {
-  TORCH_CHECK(x.size() == kLambFields, "fusedopt: LAMB hyper has ", x.size(), " values, expected ",
-              static_cast<int>(kLambFields));
+// The values of a `hyper` argument (Note [hyper fields]), checked: a contiguous float64 CPU tensor
+// of `fields` elements.
+inline const double* hyper_values(const at::Tensor& hyper, int64_t fields, const char* who) {
+  TORCH_CHECK(hyper.scalar_type() == at::kDouble && hyper.device().is_cpu() && hyper.dim() == 1 &&
+                  hyper.numel() == fields && hyper.is_contiguous(),
+              who, "hyper must be a contiguous float64 CPU tensor of ", fields,
+              " values (Note [hyper fields]), got ", hyper.scalar_type(), " of shape ",
+              hyper.sizes(), " on ", hyper.device());
+  return hyper.const_data_ptr<double>();
+}
+
+// The LambHyper / LarsHyper of a `hyper` tensor (a tensor lr, passed beside it, overrides lr).
+inline LambHyper lamb_hyper_from(const at::Tensor& hyper, const char* who) {
+  const double* x = hyper_values(hyper, kLambFields, who);
   LambHyper h;
 #define FUSEDOPT_SET_FIELD(name, member) set_field(h.member, x[kLamb##name]);
   FUSEDOPT_LAMB_FIELDS(FUSEDOPT_SET_FIELD)
@@ -70,9 +83,8 @@ inline LambHyper lamb_hyper_from(at::ArrayRef<double> x) {
   return h;
 }
 
-inline LarsHyper lars_hyper_from(at::ArrayRef<double> x) {
-  TORCH_CHECK(x.size() == kLarsFields, "fusedopt: LARS hyper has ", x.size(), " values, expected ",
-              static_cast<int>(kLarsFields));
+inline LarsHyper lars_hyper_from(const at::Tensor& hyper, const char* who) {
+  const double* x = hyper_values(hyper, kLarsFields, who);
   LarsHyper h;
 #define FUSEDOPT_SET_FIELD(name, member) set_field(h.member, x[kLars##name]);
   FUSEDOPT_LARS_FIELDS(FUSEDOPT_SET_FIELD)
@@ -83,121 +95,87 @@ inline LarsHyper lars_hyper_from(at::ArrayRef<double> x) {
 at::Tensor sq_norms(at::TensorList tensors);
 
 at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList steps, at::ArrayRef<double> hyper,
+                      at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& hyper,
                       const std::optional<at::Tensor>& grad_mult,
                       const std::optional<at::Tensor>& found_inf);
 
 void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& sums,
-                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const at::Tensor& hyper, const std::optional<at::Tensor>& lr,
                 const std::optional<at::Tensor>& found_inf);
 
 at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorList steps,
-                      at::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_mult,
+                      const at::Tensor& hyper, const std::optional<at::Tensor>& grad_mult,
                       const std::optional<at::Tensor>& found_inf);
 
 void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList grads,
                 at::TensorList momentum_buffers, at::TensorList steps, const at::Tensor& sums,
-                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const at::Tensor& hyper, const std::optional<at::Tensor>& lr,
                 const std::optional<at::Tensor>& grad_mult,
                 const std::optional<at::Tensor>& found_inf);
 
-struct CheckedLists;  // Note [checked lists] in ops.cpp
+struct CheckedLists;  // Note [kept layout] in ops.cpp
 class Fingerprints;
 
-// Note [static lists]: the tensors of a bucket that stay the same objects from step to step (the
-// weights, the bf16/fp16 params beside masters, the optimizer state and the step counts), held on
-// the C++ side so that a step passes only its gradients. Converting a Python list into a
-// TensorList costs a fraction of a microsecond per tensor and list through torch.ops; a pass
-// takes up to five lists, which for thousands of small tensors outweighs the arithmetic. The cpp
-// backend (fusedopt/backends/cpp.py) keeps one BucketLists per bucket, in the bucket's handles,
-// while its tensors stay the same. The methods are the operators above with the static lists
-// filled in; they check the static lists when made and then only look whether any of their
-// tensors changed (Note [checked lists] in ops.cpp), and check the grads of every step. Empty
-// lists stand for the state an optimizer does not have (momentum_buffers for LAMB, params
-// without masters).
-class BucketLists {
+// A list of tensors that somebody else holds for as long as the list is used.
+using TensorPtrs = std::vector<const at::Tensor*>;
+
+// Note [kept layout]: a step of a kept bucket (fusedopt/backends/cpp.py) binds its lists once and
+// runs its passes on them, instead of handing up to five lists to each operator: converting a
+// Python list into a TensorList costs a fraction of a microsecond per tensor and list, and the
+// checks of a list a few microseconds per tensor, which for thousands of small tensors outweigh
+// the arithmetic (docs/performance.md). The layout keeps what the checks of the lists that do not
+// change from step to step (weights, the bf16/fp16 params beside masters, the optimizer state,
+// the step counts) saw, and bind() only looks whether the lists it is given are those tensors
+// still (Note [checked lists] in ops.cpp); the grads, new every step, are checked at every bind.
+// The operators above are a layout made, checked and bound for one call. Empty lists stand for
+// what a bucket does not have (momentum buffers for LAMB, params without masters).
+class KeptLayout {
  public:
-  BucketLists(std::vector<at::Tensor> weights, std::vector<at::Tensor> params,
-              std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-              std::vector<at::Tensor> momentum_buffers, std::vector<at::Tensor> steps);
-  ~BucketLists();
+  KeptLayout();
+  ~KeptLayout();
 
-  // Whether a step with these grads can reuse the lists: the grads have dtype grad_dtype and the
-  // layout (numel, dense strides) of their weights, and no tensor of the static lists changed
-  // (Note [checked lists]: `p.data = ...` with another shape, `model.half()`). False sends the
-  // step down the Python path, which checks every group before any tensor is written and names
-  // what is wrong; a pass that found a changed list could only raise after earlier groups
-  // stepped. One C++ loop instead of a Python pass per property over thousands of tensors.
-  bool accepts(const std::vector<at::Tensor>& grads, at::ScalarType grad_dtype) const;
+  // Binds a step's lists (weights, params, state_a, state_b, steps, grads) for the passes until
+  // end(); the caller holds the tensors until then (the bound lists are pointers: taking a
+  // reference to each of thousands of tensors, and letting go of it, cost more than the checks).
+  // With check=false: whether they are the tensors and layouts the last check saw and the grads
+  // (of grad_dtype, as dense as their weights) fit; nothing is bound when they are not, so that
+  // the caller can check them all and name what is wrong. With check=true: every list is
+  // checked (raising the operators' errors) and kept; returns true.
+  bool bind(std::array<TensorPtrs, 6> lists, at::ScalarType grad_dtype, bool check);
+  void end();  // lets go of the bound lists (also after a step that raised)
 
-  // Note [taken grads]: the grads of the last accepts() that said yes, held until release(), so
-  // that the passes and the clipping norms of that step use them without turning a Python list
-  // into tensors again (a cost per tensor: docs/performance.md). The step releases them at its
-  // end, also when it raises (Backend.finish): no grad outlives its step here.
-  at::Tensor lamb_pass1_taken(const std::vector<double>& hyper,
-                              const std::optional<at::Tensor>& grad_mult,
-                              const std::optional<at::Tensor>& found_inf);
-  at::Tensor lars_pass1_taken(const std::vector<double>& hyper,
-                              const std::optional<at::Tensor>& grad_mult,
-                              const std::optional<at::Tensor>& found_inf);
-  void lars_pass2_taken(const at::Tensor& sums, const std::vector<double>& hyper,
-                        const std::optional<at::Tensor>& lr,
-                        const std::optional<at::Tensor>& grad_mult,
+  at::Tensor grad_sq_norms();  // per-tensor sum of squares of the bound grads
+  at::Tensor lamb_pass1(const at::Tensor& hyper, const std::optional<at::Tensor>& grad_mult,
                         const std::optional<at::Tensor>& found_inf);
-  at::Tensor grad_sq_norms_taken();  // per-tensor sum of squares of the taken grads
-  void release();
-
-  // The operators of the same names with the static lists filled in; grads are this step's.
-  at::Tensor lamb_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
-                        const std::optional<at::Tensor>& grad_mult,
-                        const std::optional<at::Tensor>& found_inf);
-  void lamb_pass2(const at::Tensor& sums, const std::vector<double>& hyper,
+  void lamb_pass2(const at::Tensor& sums, const at::Tensor& hyper,
                   const std::optional<at::Tensor>& lr, const std::optional<at::Tensor>& found_inf);
-  at::Tensor lars_pass1(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper,
-                        const std::optional<at::Tensor>& grad_mult,
+  at::Tensor lars_pass1(const at::Tensor& hyper, const std::optional<at::Tensor>& grad_mult,
                         const std::optional<at::Tensor>& found_inf);
-  void lars_pass2(const std::vector<at::Tensor>& grads, const at::Tensor& sums,
-                  const std::vector<double>& hyper, const std::optional<at::Tensor>& lr,
-                  const std::optional<at::Tensor>& grad_mult,
+  void lars_pass2(const at::Tensor& sums, const at::Tensor& hyper,
+                  const std::optional<at::Tensor>& lr, const std::optional<at::Tensor>& grad_mult,
                   const std::optional<at::Tensor>& found_inf);
 
  private:
-  bool grad_fits(const at::Tensor& g, size_t i, at::ScalarType grad_dtype) const;
-  std::vector<at::Tensor> taken() const;  // a copy of taken_, under the mutex
-  std::array<at::TensorList, 6> static_lists() const;
-  void recheck();                          // checks every static list, builds checked_
-  // Note [checked lists]: the checked lists, looked at again (static_lists_unchanged) unless
-  // reuse says that this step already did.
-  const CheckedLists& checked(bool reuse);
-  bool static_lists_unchanged() const;     // the fingerprints, looked at by all threads
-  bool static_lists_unchanged(int64_t begin, int64_t end) const;  // of tensors [begin, end)
-  void require_state(bool lamb) const;     // the lists hold LAMB (or LARS) state
-  // Pass 1 of either optimizer: checks, then the zeros of a skipped step or run(lists, grad
-  // pointers, grad dtype) after bumping the version counters of the tensors it writes.
-  template <typename Run>
-  at::Tensor pass1(const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& found_inf,
-                   const Run& run);
+  struct Bound {
+    TensorPtrs weights, params, state_a, state_b, steps, grads;
+    at::ScalarType grad_dtype = at::kFloat;
+  };
+  static std::array<const TensorPtrs*, 5> kept_lists(const Bound& b);  // all but the grads
+  const Bound& bound() const;  // the bound lists; raises when nothing is bound
+  bool unchanged(const Bound& b) const;  // the fingerprints, looked at by all threads
+  bool grads_fit(const Bound& b) const;
 
-  // Set by the constructor only.
-  std::vector<at::Tensor> weights_, params_, exp_avgs_, exp_avg_sqs_, momentum_buffers_, steps_;
-  at::ScalarType weight_dtype_, param_dtype_;
-
-  // Note [one call at a time]: the passes run without the GIL (as torch.ops calls do), and a
-  // recheck replaces checked_ and fingerprints_, which a pass running on another thread may be
-  // reading (the pointers of its chunk loops), and checked_by_pass1_ says what the previous call
-  // did. So accepts() and every pass hold mutex_ from their start to their end: calls on one
-  // BucketLists from several threads run one after the other, never interleaved; different
-  // BucketLists run concurrently. Every method takes mutex_ with the GIL released (the bindings
-  // release it before the call, accepts() included), so that a thread waiting for mutex_ never
-  // holds the GIL that the thread holding mutex_ may need.
+  // Note [one call at a time]: the passes run without the GIL (as torch.ops calls do), and bind
+  // replaces what the passes read. So every method holds mutex_ from its start to its end: calls
+  // on one layout from several threads run one after the other, never interleaved; different
+  // layouts run concurrently. The bindings release the GIL before each call, so that a thread
+  // waiting for mutex_ never holds the GIL that the thread holding mutex_ may need.
   mutable std::mutex mutex_;
   std::unique_ptr<CheckedLists> checked_;
   std::unique_ptr<Fingerprints> fingerprints_;
-  bool checked_by_pass1_ = false;  // pass 2 of this step reuses checked_ unchanged
-  // accepts() found the static lists unchanged: the next pass 1 need not look again
-  mutable bool checked_by_accepts_ = false;
-  mutable std::vector<at::Tensor> taken_;  // Note [taken grads]
+  at::ScalarType checked_grad_dtype_ = at::kFloat;  // of the grads of the last check
+  std::optional<Bound> bound_;
 };
 
 }  // namespace cpu

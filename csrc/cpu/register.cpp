@@ -1,5 +1,5 @@
 // Registration of the torch.ops.fusedopt.* operators, and the Python module fusedopt._C whose
-// import loads them and which holds BucketLists (Note [static lists] in ops.h) and the names of
+// import loads them and which holds KeptLayout (Note [kept layout] in ops.h) and the names of
 // the hyper-parameter fields (Note [hyper fields] in ops.h). Fake (meta) implementations
 // are registered in Python, in fusedopt/backends/cpp.py, which set_python_module names so torch
 // can import it on demand.
@@ -9,8 +9,8 @@
 //   params     the bf16/fp16 params written with the rounded weights when masters are present,
 //              else an empty list
 //   steps      0-dim float32 step counts; pass 1 adds 1 unless found_inf is nonzero
-//   hyper      the host-side scalars as doubles, in the order of LambField / LarsField (ops.h),
-//              whose names fusedopt._C.lamb_fields() / lars_fields() give
+//   hyper      the host-side scalars: a float64 CPU tensor of the fields of LambHyper / LarsHyper
+//              (Note [hyper fields] in ops.h; fusedopt._C.lamb_fields() / lars_fields() name them)
 //   lr         optional tensor learning rate, overriding hyper's lr
 //   grad_mult  optional 0-dim tensor: every gradient element is read as g * grad_mult
 //   found_inf  optional 0-dim float32 tensor: when nonzero the step changes nothing
@@ -26,18 +26,18 @@ TORCH_LIBRARY(fusedopt, m) {
   m.def("sq_norms(Tensor[] tensors) -> Tensor");
   m.def(
       "lamb_pass1(Tensor[] weights, Tensor[] grads, Tensor(a!)[] exp_avgs, "
-      "Tensor(b!)[] exp_avg_sqs, Tensor(c!)[] steps, float[] hyper, Tensor? grad_mult, "
+      "Tensor(b!)[] exp_avg_sqs, Tensor(c!)[] steps, Tensor hyper, Tensor? grad_mult, "
       "Tensor? found_inf) -> Tensor");
   m.def(
       "lamb_pass2(Tensor(a!)[] weights, Tensor(b!)[] params, Tensor[] exp_avgs, "
-      "Tensor[] exp_avg_sqs, Tensor[] steps, Tensor sums, float[] hyper, Tensor? lr, "
+      "Tensor[] exp_avg_sqs, Tensor[] steps, Tensor sums, Tensor hyper, Tensor? lr, "
       "Tensor? found_inf) -> ()");
   m.def(
-      "lars_pass1(Tensor[] weights, Tensor[] grads, Tensor(a!)[] steps, float[] hyper, "
+      "lars_pass1(Tensor[] weights, Tensor[] grads, Tensor(a!)[] steps, Tensor hyper, "
       "Tensor? grad_mult, Tensor? found_inf) -> Tensor");
   m.def(
       "lars_pass2(Tensor(a!)[] weights, Tensor(b!)[] params, Tensor[] grads, "
-      "Tensor(c!)[] momentum_buffers, Tensor[] steps, Tensor sums, float[] hyper, Tensor? lr, "
+      "Tensor(c!)[] momentum_buffers, Tensor[] steps, Tensor sums, Tensor hyper, Tensor? lr, "
       "Tensor? grad_mult, Tensor? found_inf) -> ()");
 }
 
@@ -51,6 +51,23 @@ TORCH_LIBRARY_IMPL(fusedopt, CPU, m) {
 
 namespace {
 
+using fusedopt::cpu::TensorPtrs;
+
+// The tensors of a Python list, without taking a reference to any (the caller keeps the list):
+// Note [kept layout] in ops.h. A TypeError names an entry that is not a tensor.
+TensorPtrs unpacked(const pybind11::list& items, const char* name) {
+  TensorPtrs out(items.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    PyObject* obj = PyList_GET_ITEM(items.ptr(), static_cast<Py_ssize_t>(i));
+    if (!THPVariable_Check(obj)) {
+      throw pybind11::type_error(std::string("KeptLayout.bind: ") + name + "[" +
+                                 std::to_string(i) + "] is not a tensor");
+    }
+    out[i] = &THPVariable_Unpack(obj);
+  }
+  return out;
+}
+
 // The names of a hyper table's fields, in order, as a Python list of str.
 template <size_t N>
 pybind11::list field_names(const std::array<const char*, N>& names) {
@@ -63,8 +80,8 @@ pybind11::list field_names(const std::array<const char*, N>& names) {
 
 PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
-  using fusedopt::cpu::BucketLists;
-  m.doc() = "fusedopt C++ CPU kernels, registered as torch.ops.fusedopt.*, and BucketLists";
+  using fusedopt::cpu::KeptLayout;
+  m.doc() = "fusedopt C++ CPU kernels, registered as torch.ops.fusedopt.*, and KeptLayout";
   m.def("cpu_isa", &fusedopt::cpu::cpu_isa_name,
         "The instruction-set clone the CPU kernels run: baseline, avx2 or avx512.");
   m.def(
@@ -74,34 +91,34 @@ PYBIND11_MODULE(_C, m) {
       "lars_fields", [] { return field_names(fusedopt::cpu::kLarsFieldNames); },
       "The names of the LARS operators' `hyper` values, in order (Note [hyper fields], ops.h).");
   // Every method runs without the GIL, as torch.ops calls do (other Python threads go on), and
-  // takes the lists' mutex: calls on one BucketLists run one at a time (Note [one call at a
-  // time], ops.h).
-  py::class_<BucketLists>(m, "BucketLists",
-                          "The static tensor lists of one bucket (Note [static lists], ops.h).")
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>(),
-           py::arg("weights"), py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
-           py::arg("momentum_buffers"), py::arg("steps"))
-      .def("accepts", &BucketLists::accepts, py::arg("grads"), py::arg("grad_dtype"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("lamb_pass1", &BucketLists::lamb_pass1, py::arg("grads"), py::arg("hyper"),
-           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
-      .def("lamb_pass2", &BucketLists::lamb_pass2, py::arg("sums"), py::arg("hyper"),
-           py::arg("lr"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
-      .def("lars_pass1", &BucketLists::lars_pass1, py::arg("grads"), py::arg("hyper"),
-           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
-      .def("lars_pass2", &BucketLists::lars_pass2, py::arg("grads"), py::arg("sums"),
-           py::arg("hyper"), py::arg("lr"), py::arg("grad_mult"), py::arg("found_inf"),
-           py::call_guard<py::gil_scoped_release>())
-      // Note [taken grads]: the same with the grads of the last accepts() that said yes
-      .def("lamb_pass1_taken", &BucketLists::lamb_pass1_taken, py::arg("hyper"),
-           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
-      .def("lars_pass1_taken", &BucketLists::lars_pass1_taken, py::arg("hyper"),
-           py::arg("grad_mult"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>())
-      .def("lars_pass2_taken", &BucketLists::lars_pass2_taken, py::arg("sums"), py::arg("hyper"),
-           py::arg("lr"), py::arg("grad_mult"), py::arg("found_inf"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("grad_sq_norms_taken", &BucketLists::grad_sq_norms_taken,
-           py::call_guard<py::gil_scoped_release>())
-      .def("release", &BucketLists::release, py::call_guard<py::gil_scoped_release>());
+  // takes the layout's mutex (Note [one call at a time], ops.h).
+  using py::arg;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<KeptLayout>(m, "KeptLayout", "A bucket's checked lists (Note [kept layout], ops.h).")
+      .def(py::init<>())
+      .def(
+          "bind",
+          [](KeptLayout& k, const py::list& weights, const py::list& params,
+             const py::list& state_a, const py::list& state_b, const py::list& steps,
+             const py::list& grads, at::ScalarType grad_dtype, bool check) {
+            std::array<TensorPtrs, 6> lists{
+                unpacked(weights, "weights"), unpacked(params, "params"),
+                unpacked(state_a, "state_a"), unpacked(state_b, "state_b"),
+                unpacked(steps, "steps"),     unpacked(grads, "grads")};
+            py::gil_scoped_release no_gil;
+            return k.bind(std::move(lists), grad_dtype, check);
+          },
+          arg("weights"), arg("params"), arg("state_a"), arg("state_b"), arg("steps"),
+          arg("grads"), arg("grad_dtype"), arg("check"),
+          "Binds a step's lists (kept alive by the caller until end()); Note [kept layout].")
+      .def("end", &KeptLayout::end, nogil)
+      .def("grad_sq_norms", &KeptLayout::grad_sq_norms, nogil)
+      .def("lamb_pass1", &KeptLayout::lamb_pass1, arg("hyper"), arg("grad_mult"),
+           arg("found_inf"), nogil)
+      .def("lamb_pass2", &KeptLayout::lamb_pass2, arg("sums"), arg("hyper"), arg("lr"),
+           arg("found_inf"), nogil)
+      .def("lars_pass1", &KeptLayout::lars_pass1, arg("hyper"), arg("grad_mult"),
+           arg("found_inf"), nogil)
+      .def("lars_pass2", &KeptLayout::lars_pass2, arg("sums"), arg("hyper"), arg("lr"),
+           arg("grad_mult"), arg("found_inf"), nogil);
 }

@@ -88,10 +88,15 @@ DeviceScalars device_scalars(const std::optional<at::Tensor>& grad_mult,
   return s;
 }
 
-// The hyper-parameter lists are parsed as by the CPU operators (csrc/cpu/ops.h).
-LambHyper lamb_hyper(at::ArrayRef<double> x) { return fusedopt::cpu::lamb_hyper_from(x); }
+// The hyper-parameter tensors are parsed as by the CPU operators (Note [hyper fields] in
+// csrc/cpu/ops.h): a CPU tensor, read on the host without a device sync.
+LambHyper lamb_hyper(const at::Tensor& x) {
+  return fusedopt::cpu::lamb_hyper_from(x, "fusedopt cuda backend: ");
+}
 
-LarsHyper lars_hyper(at::ArrayRef<double> x) { return fusedopt::cpu::lars_hyper_from(x); }
+LarsHyper lars_hyper(const at::Tensor& x) {
+  return fusedopt::cpu::lars_hyper_from(x, "fusedopt cuda backend: ");
+}
 
 // The raw pointers of a bucket's lists; owns the arrays BucketPtrs points into.
 struct Pointers {
@@ -244,7 +249,7 @@ at::Tensor sq_norms(at::TensorList tensors) {
 }
 
 at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList steps, at::ArrayRef<double> hyper,
+                      at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& hyper,
                       const std::optional<at::Tensor>& grad_mult,
                       const std::optional<at::Tensor>& found_inf) {
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
@@ -264,7 +269,7 @@ at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
 
 void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& sums,
-                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const at::Tensor& hyper, const std::optional<at::Tensor>& lr,
                 const std::optional<at::Tensor>& found_inf) {
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
   if (!params.empty()) check_list(params, weights, "params");
@@ -281,7 +286,7 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
 }
 
 at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorList steps,
-                      at::ArrayRef<double> hyper, const std::optional<at::Tensor>& grad_mult,
+                      const at::Tensor& hyper, const std::optional<at::Tensor>& grad_mult,
                       const std::optional<at::Tensor>& found_inf) {
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
   check_list(grads, weights, "grads");
@@ -298,7 +303,7 @@ at::Tensor lars_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
 
 void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList grads,
                 at::TensorList momentum_buffers, at::TensorList steps, const at::Tensor& sums,
-                at::ArrayRef<double> hyper, const std::optional<at::Tensor>& lr,
+                const at::Tensor& hyper, const std::optional<at::Tensor>& lr,
                 const std::optional<at::Tensor>& grad_mult,
                 const std::optional<at::Tensor>& found_inf) {
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));

@@ -15,7 +15,10 @@
 
 namespace fusedopt {
 
-// Host-side scalars of one LAMB param group (built once in Python: fusedopt/_hyper.py).
+// Host-side scalars of one param group, member for member the dataclasses LambHyper / LarsHyper
+// of fusedopt/_hyper.py (Note [hyper fields] in csrc/cpu/ops.h); booleans arrive as 0/1, a
+// missing max_grad_norm as NaN. max_grad_norm is the engine's (global clipping happens before
+// the passes) and rides along so that the encoding is the whole dataclass.
 struct LambHyper {
   double lr;
   double beta1;
@@ -23,17 +26,18 @@ struct LambHyper {
   double beta3;         // (1 - beta1) if grad_averaging else 1
   double eps;
   double weight_decay;  // lambda
-  double ratio_lo;      // trust_ratio_bounds (used when bounded)
-  double ratio_hi;
-  double one_minus_beta2;
-  double lambda_in_u;   // lambda unless decoupled (then 0)
   bool bias_correction;
   bool adapt;
   bool decoupled;       // decoupled_weight_decay
   bool bounded;
+  double ratio_lo;      // trust_ratio_bounds (used when bounded)
+  double ratio_hi;
+  double max_grad_norm;
+  double one_minus_beta2;
+  double lambda_in_u;       // lambda unless decoupled (then 0)
+  double decoupled_lambda;  // lambda if decoupled (else 0)
 };
 
-// Host-side scalars of one LARS param group.
 struct LarsHyper {
   double lr;
   double momentum;           // mu
@@ -41,12 +45,13 @@ struct LarsHyper {
   double weight_decay;       // lambda
   double trust_coefficient;  // kappa
   double eps;
-  double one_minus_dampening;
   bool nesterov;
   bool trust_clip;
   bool combined;        // denominator == "combined": kappa*|w| / (|g + lambda*w| + eps)
   bool lr_in_momentum;
   bool adapt;
+  double max_grad_norm;
+  double one_minus_dampening;
 };
 
 // 1 - beta^t, in double whatever the compute type (same formula as fusedopt.functional).

@@ -1,39 +1,37 @@
 """Backends and the one function that chooses among them.
 
-A backend implements the two passes of a trust-ratio step for one :class:`~fusedopt.functional.Bucket`
-(tensors of one param group sharing device, param dtype and grad dtype):
+A backend runs the passes of a trust-ratio step for one :class:`~fusedopt.functional.Bucket`
+(tensors of one param group sharing device, param dtype and grad dtype). The engine
+(:func:`fusedopt.functional.trust_ratio_step`) calls, per bucket and step:
 
-* ``sq_norms(tensors)``: per-tensor sums of squares, shape ``[n]`` (global clipping, noise scale).
-* ``lamb_pass1`` / ``lars_pass1``: increment the step counts (unless ``found_inf`` is nonzero) and
-  return the per-tensor sums of squares ``[n, 2]`` that the trust ratio needs
-  (LAMB: ``‖w‖², ‖u‖²``; LARS: ``‖w‖², ‖g‖²`` or ``‖g + λw‖²``). LAMB's pass 1 also updates the moments.
-* ``lamb_pass2`` / ``lars_pass2``: turn the (possibly all-reduced) sums into trust ratios with the
-  zero-norm rule and apply the update.
+* ``bind(b, check)`` once the bucket is made: take the step's lists (a native handle may hold
+  them); with ``check=False`` it answers whether they are the tensors a kept handle checked
+  (the step then skips the Python checks), with ``check=True`` after the Python checks;
+* ``prepare(b, kind, ...)``: make ready (compile) what the passes will launch, nothing written;
+* ``grad_sq_norms(b)``: the grads' per-tensor ``Σg²`` (global clipping, ``skip_nonfinite``);
+* ``pass1(kind, b, h, hyper, grad_mult, found_inf)``: increment the step counts (unless
+  ``found_inf`` is nonzero) and return the per-tensor sums of squares ``[n, 2]`` of the trust
+  ratio (LAMB: ``‖w‖², ‖u‖²``, updating the moments; LARS: ``‖w‖², ‖g‖²`` or ``‖g + λw‖²``);
+* ``pass2(kind, b, h, hyper, sums, grad_mult, found_inf)``: the trust ratios from the (possibly
+  all-reduced) sums with the zero-norm rule, and the update;
+* ``end(b)``, always, also after an error: let go of what ``bind`` took.
 
-``grad_mult`` (0-dim tensor or None) multiplies every gradient as it is read (GradScaler unscale and
-global clipping, ``1 / (scale · c)``); ``found_inf`` (0-dim tensor or None), when nonzero, makes the
-whole step a no-op. Neither is ever read on the host.
-
-``accepts_grads(b)`` answers whether a bucket kept from an earlier step (Note [list cache] in
-fusedopt/optim.py) can take this step's grads; ``grad_sq_norms`` gives the grads' ``Σg²``.
+``h`` is the group's :class:`~fusedopt._hyper.LambHyper` / ``LarsHyper`` and ``hyper`` the same
+values encoded as one float64 tensor (Note [hyper fields] in csrc/cpu/ops.h), which the fused
+kernels read. ``grad_mult`` (0-dim tensor or None) multiplies every gradient as it is read
+(GradScaler unscale and global clipping, ``1 / (scale · c)``); ``found_inf`` (0-dim tensor or
+None), when nonzero, makes the whole step a no-op. Neither is ever read on the host.
+``sq_norms(tensors)`` gives per-tensor sums of squares outside a step (the noise scale).
 """
 from __future__ import annotations
 
 import importlib
-from operator import attrgetter, methodcaller
 from typing import TYPE_CHECKING
 
 import torch
 
-_DTYPE = attrgetter("dtype")
-_DEVICE = attrgetter("device")
-_SHAPE = attrgetter("shape")
-_LAYOUT = attrgetter("layout")
-_CONTIGUOUS = methodcaller("is_contiguous")
-
 if TYPE_CHECKING:
     from .._bucket import Bucket
-    from .._hyper import LambHyper, LarsHyper
 
 
 class BackendCompileError(RuntimeError):
@@ -46,54 +44,40 @@ class Backend:
 
     name: str = ""
 
-    def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
-                clip: bool) -> None:
-        """Called for every bucket of a step before any pass runs: make ready (compile) whatever
-        the step's passes will launch for ``b``, or raise :class:`BackendCompileError` with
-        nothing modified. ``kind`` is "lamb" or "lars"; ``clip``: the step computes the grads'
-        norms (global clipping). Backends without a compile step keep this no-op."""
-
     def unavailable_reason(self, device: torch.device, param_dtype: torch.dtype,
                            grad_dtype: torch.dtype) -> str | None:
         """None if this backend can run on these tensors, else why not (device, dtype, missing piece)."""
         raise NotImplementedError
 
+    def bind(self, b: Bucket, check: bool) -> bool:
+        """Take ``b``'s lists for this step. ``check=False``: True when they are what a handle kept
+        in ``b.cache`` checked (the engine then skips its own checks), False otherwise (nothing
+        taken). ``check=True``: the engine has checked them; the return value is not used.
+        Backends without native handles keep this."""
+        return False
+
+    def end(self, b: Bucket) -> None:
+        """Let go of what :meth:`bind` took (called once per bucket and step, also after an error)."""
+
+    def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
+                clip: bool) -> None:
+        """Make ready (compile) whatever the step's passes will launch for ``b``, or raise
+        :class:`BackendCompileError` with nothing modified. ``clip``: the step computes the grads'
+        norms. Backends without a compile step keep this no-op."""
+
     def sq_norms(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
     def grad_sq_norms(self, b: Bucket) -> torch.Tensor:
-        """Per-tensor Σg² of the bucket's grads, ``[n]`` (global clipping)."""
+        """Per-tensor Σg² of the bucket's grads, ``[n]``."""
         return self.sq_norms(b.grads)
 
-    def accepts_grads(self, b: Bucket, grad_dtype: torch.dtype) -> bool:
-        """Whether ``b``, kept from an earlier step with its lists unchanged, can take its new
-        ``grads``: strided, contiguous, of ``grad_dtype`` and the bucket's device, one per param and
-        of its shape; and whether its params still have one dtype and the shapes of their state
-        (``p.data`` may have been replaced). False sends the step down the path that checks
-        everything and says what is wrong."""
-        ps, gs = b.params, b.grads
-        shapes = list(map(_SHAPE, ps))
-        states = [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers, b.masters) if xs]
-        return (len(gs) == len(ps) and set(map(_DTYPE, gs)) == {grad_dtype}
-                and set(map(_LAYOUT, gs)) == {torch.strided} and all(map(_CONTIGUOUS, gs))
-                and set(map(_DEVICE, gs)) == {b.device} and list(map(_SHAPE, gs)) == shapes
-                and set(map(_DTYPE, ps)) == {b.param_dtype}
-                and all(list(map(_SHAPE, xs)) == shapes for xs in states))
-
-    def finish(self, b: Bucket) -> None:
-        """Called once ``b``'s step is over, also when it raised: let go of what the step held
-        (the cpp backend's taken grads)."""
-
-    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf) -> torch.Tensor:
+    def pass1(self, kind: str, b: Bucket, h, hyper: torch.Tensor, grad_mult,
+              found_inf) -> torch.Tensor:
         raise NotImplementedError
 
-    def lamb_pass2(self, b: Bucket, h: LambHyper, sums: torch.Tensor, found_inf) -> None:
-        raise NotImplementedError
-
-    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf) -> torch.Tensor:
-        raise NotImplementedError
-
-    def lars_pass2(self, b: Bucket, h: LarsHyper, sums: torch.Tensor, grad_mult, found_inf) -> None:
+    def pass2(self, kind: str, b: Bucket, h, hyper: torch.Tensor, sums: torch.Tensor, grad_mult,
+              found_inf) -> None:
         raise NotImplementedError
 
 
@@ -132,6 +116,19 @@ def get_backend(name: str) -> Backend | None:
 
 def load_error(name: str) -> str | None:
     return _load_errors.get(name)
+
+
+def set_backend(name: str, backend: Backend | None) -> Backend | None:
+    """Use ``backend`` for the name ``name`` in this process (None: construct the registered one
+    again on next use) and return the one it replaces, e.g. to run the engine on an instrumented
+    or deliberately wrong backend (``python -m fusedopt check`` tests itself this way)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; expected one of {tuple(_REGISTRY)}")
+    old = _instances.pop(name, None)
+    _load_errors.pop(name, None)
+    if backend is not None:
+        _instances[name] = backend
+    return old
 
 
 # (backend name, device type, param dtype, grad dtype) whose kernels failed to compile in this

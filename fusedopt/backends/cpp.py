@@ -19,7 +19,6 @@ import torch
 
 from . import Backend
 from .._bucket import Bucket
-from .._hyper import LambHyper, LarsHyper
 
 _SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _BUILD_ERRORS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_build_errors.txt")
@@ -37,20 +36,14 @@ def load_extension(module: str, what: str, guidance: str) -> None:
         raise ImportError(f"{msg} {guidance}") from e
 
 
-def _hyper_args(h, fields: tuple[str, ...], device: torch.device):
-    """``hyper`` as a list of doubles in the order of ``fields``, and a tensor ``lr`` (None when
-    lr is a number)."""
-    lr = h.lr if isinstance(h.lr, torch.Tensor) else None
-    values = [0.0 if (name == "lr" and lr is not None) else float(getattr(h, name))
-              for name in fields]
-    if lr is not None:
-        lr = lr.to(device=device, dtype=torch.float64)
-    return values, lr
-
-
 def _low_precision_params(b: Bucket) -> list[torch.Tensor]:
     """The params written beside fp32 masters (empty when the weights are the params)."""
     return b.params if b.masters is not None else []
+
+
+def _tensor_lr(h) -> torch.Tensor | None:
+    """A tensor lr as the operators take it (a number lr travels in ``hyper``)."""
+    return h.lr if isinstance(h.lr, torch.Tensor) else None
 
 
 # ------------------------------------------------------------------------- fake implementations
@@ -93,8 +86,11 @@ _fakes_registered = False
 
 
 class CppBackend(Backend):
+    """Note [kept layout] in csrc/cpu/ops.h: an uncompiled step binds each bucket's lists to a
+    native ``KeptLayout`` (kept in the step cache, or made for one call) and runs its passes on
+    it; a traced step calls the ``torch.ops.fusedopt`` operators, which torch.compile records."""
+
     name = "cpp"
-    _has_static_lists = True  # BucketLists calls the CPU kernels directly
 
     def __init__(self):
         global _fakes_registered
@@ -104,11 +100,6 @@ class CppBackend(Backend):
             _register_fakes()
             _fakes_registered = True
         self._ops = torch.ops.fusedopt
-        from .. import _C
-        # the names of the doubles of the operators' ``hyper`` argument in the order the C++ side
-        # reads them (generated from the LambField / LarsField enums of csrc/cpu/ops.h): Python
-        # fills them by name from LambHyper / LarsHyper
-        self.fields = {"lamb": tuple(_C.lamb_fields()), "lars": tuple(_C.lars_fields())}
 
     def unavailable_reason(self, device, param_dtype, grad_dtype):
         if device.type != "cpu":
@@ -119,85 +110,63 @@ class CppBackend(Backend):
                         "(float32, float64, bfloat16 and float16 are supported)")
         return None
 
+    def bind(self, b: Bucket, check: bool) -> bool:
+        if torch.compiler.is_compiling():
+            return False
+        layouts = b.cache.layouts if b.cache is not None else None
+        layout = layouts.get(b.slot) if layouts is not None else None
+        if layout is None:
+            if not check:
+                return False
+            from .. import _C
+            layout = _C.KeptLayout()
+            if layouts is not None:
+                layouts[b.slot] = layout
+        lamb = b.exp_avgs is not None
+        try:
+            ok = layout.bind(b.weights, _low_precision_params(b),
+                             b.exp_avgs if lamb else b.momentum_buffers, b.exp_avg_sqs or [],
+                             b.steps, b.grads, b.grad_dtype, check)
+        except TypeError:  # an entry that is not a tensor: the engine's checks name it
+            if check:
+                raise
+            return False
+        if ok:
+            b.scratch["layout"] = layout
+        return ok
+
+    def end(self, b: Bucket) -> None:
+        layout = b.scratch.pop("layout", None)
+        if layout is not None:
+            layout.end()
+
     def sq_norms(self, tensors):
         return self._ops.sq_norms(list(tensors))
 
-    def _static_lists(self, b: Bucket):
-        """The bucket's lists but grads, held by a C++ ``BucketLists`` (Note [static lists] in
-        csrc/cpu/ops.h) kept in ``b.handles`` while the lists stay the same; None for a one-off
-        bucket and under torch.compile, which go through the operators."""
-        if b.handles is None or not self._has_static_lists or torch.compiler.is_compiling():
-            return None
-        lists = b.handles.get(self.name)
-        if lists is None:
-            from .. import _C
-            lists = b.handles[self.name] = _C.BucketLists(
-                b.weights, _low_precision_params(b), b.exp_avgs or [], b.exp_avg_sqs or [],
-                b.momentum_buffers or [], b.steps)
-        return lists
-
-    def accepts_grads(self, b: Bucket, grad_dtype) -> bool:
-        lists = self._static_lists(b)
-        if lists is None:
-            return super().accepts_grads(b, grad_dtype)
-        # dtype, layout, numel and strides, in C++; the grads accepted are held there for this
-        # step (Note [taken grads] in csrc/cpu/ops.h) until finish()
-        if not lists.accepts(b.grads, grad_dtype):
-            return False
-        b.scratch["taken"] = lists
-        return True
-
-    def _taken(self, b: Bucket):
-        """The BucketLists holding this step's grads, or None (Note [taken grads])."""
-        lists = b.scratch.get("taken")
-        return None if lists is None or torch.compiler.is_compiling() else lists
-
     def grad_sq_norms(self, b: Bucket):
-        lists = self._taken(b)
-        if lists is not None:
-            return lists.grad_sq_norms_taken()
-        return super().grad_sq_norms(b)
+        layout = b.scratch.get("layout")
+        return layout.grad_sq_norms() if layout is not None else self.sq_norms(b.grads)
 
-    def finish(self, b: Bucket) -> None:
-        lists = b.scratch.pop("taken", None)
-        if lists is not None:
-            lists.release()
-
-    # ----------------------------------------------------------------- LAMB
-    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
-        hyper, _ = _hyper_args(h, self.fields["lamb"], b.device)
-        lists = self._static_lists(b)
-        if lists is not None:
-            if self._taken(b) is lists:
-                return lists.lamb_pass1_taken(hyper, grad_mult, found_inf)
-            return lists.lamb_pass1(b.grads, hyper, grad_mult, found_inf)
-        return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, hyper,
-                                    grad_mult, found_inf)
-
-    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
-        hyper, lr = _hyper_args(h, self.fields["lamb"], b.device)
-        lists = self._static_lists(b)
-        if lists is not None:
-            return lists.lamb_pass2(sums, hyper, lr, found_inf)
-        self._ops.lamb_pass2(b.weights, _low_precision_params(b), b.exp_avgs, b.exp_avg_sqs,
-                             b.steps, sums, hyper, lr, found_inf)
-
-    # ----------------------------------------------------------------- LARS
-    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
-        hyper, _ = _hyper_args(h, self.fields["lars"], b.device)
-        lists = self._static_lists(b)
-        if lists is not None:
-            if self._taken(b) is lists:
-                return lists.lars_pass1_taken(hyper, grad_mult, found_inf)
-            return lists.lars_pass1(b.grads, hyper, grad_mult, found_inf)
+    def pass1(self, kind, b: Bucket, h, hyper, grad_mult, found_inf):
+        layout = b.scratch.get("layout")
+        if kind == "lamb":
+            if layout is not None:
+                return layout.lamb_pass1(hyper, grad_mult, found_inf)
+            return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps,
+                                        hyper, grad_mult, found_inf)
+        if layout is not None:
+            return layout.lars_pass1(hyper, grad_mult, found_inf)
         return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)
 
-    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
-        hyper, lr = _hyper_args(h, self.fields["lars"], b.device)
-        lists = self._static_lists(b)
-        if lists is not None:
-            if self._taken(b) is lists:
-                return lists.lars_pass2_taken(sums, hyper, lr, grad_mult, found_inf)
-            return lists.lars_pass2(b.grads, sums, hyper, lr, grad_mult, found_inf)
-        self._ops.lars_pass2(b.weights, _low_precision_params(b), b.grads, b.momentum_buffers,
-                             b.steps, sums, hyper, lr, grad_mult, found_inf)
+    def pass2(self, kind, b: Bucket, h, hyper, sums, grad_mult, found_inf):
+        layout, lr = b.scratch.get("layout"), _tensor_lr(h)
+        if kind == "lamb":
+            if layout is not None:
+                return layout.lamb_pass2(sums, hyper, lr, found_inf)
+            return self._ops.lamb_pass2(b.weights, _low_precision_params(b), b.exp_avgs,
+                                        b.exp_avg_sqs, b.steps, sums, hyper, lr, found_inf)
+        if layout is not None:
+            return layout.lars_pass2(sums, hyper, lr, grad_mult, found_inf)
+        return self._ops.lars_pass2(b.weights, _low_precision_params(b), b.grads,
+                                    b.momentum_buffers, b.steps, sums, hyper, lr, grad_mult,
+                                    found_inf)

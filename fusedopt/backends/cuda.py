@@ -31,7 +31,6 @@ class CudaBackend(CppBackend):
     """The C++ backend's operators and passes; the CUDA kernels behind them and CUDA's dtype rules."""
 
     name = "cuda"
-    _has_static_lists = False  # BucketLists holds the CPU kernels; CUDA goes through torch.ops
 
     def __init__(self):
         super().__init__()  # fusedopt._C: the operator schemas and fakes
@@ -62,6 +61,9 @@ class CudaBackend(CppBackend):
                     f"{param_dtype} (float32 params take float32, bfloat16 or float16 grads; "
                     "bfloat16/float16 params take grads of their own dtype or float32)")
         return None
+
+    def bind(self, b, check):
+        return False  # KeptLayout holds the CPU kernels; CUDA goes through torch.ops
 
     def sq_norms(self, tensors):
         tensors = list(tensors)

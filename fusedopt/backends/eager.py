@@ -11,7 +11,7 @@ import torch
 
 from . import Backend
 from .._bucket import Bucket, bias_correction
-from .._hyper import LambHyper, LarsHyper
+from .._hyper import LAMB_FIELDS, LARS_FIELDS, LambHyper
 
 
 def zero_norm_rule(w_norm: torch.Tensor, other_norm: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -21,18 +21,56 @@ def zero_norm_rule(w_norm: torch.Tensor, other_norm: torch.Tensor, ratio: torch.
     return torch.where((w_norm == 0) | (other_norm == 0), torch.ones_like(ratio), ratio)
 
 
-def lamb_trust_ratio(w_sq: torch.Tensor, u_sq: torch.Tensor, h: LambHyper) -> torch.Tensor:
+class _Scalars:
+    """The hyper-parameters as this backend's ops take them: the values of ``h`` (a
+    LambHyper / LarsHyper), or under torch.compile the 0-dim float64 tensors of the step's hyper
+    tensor (Note [hyper fields] in csrc/cpu/ops.h). Note [traced options] in fusedopt/_hyper.py:
+    a Python scalar of a foreach op is a constant of the graph (a recompile per value), and so is
+    an option that no op reads as a tensor; read from the one hyper tensor, every float option
+    is an input of the graph. Booleans and a tensor lr are ``h``'s."""
+
+    def __init__(self, h, hyper: torch.Tensor):
+        self._h = h
+        self._hyper = hyper if torch.compiler.is_compiling() else None
+        self._names = LAMB_FIELDS if isinstance(h, LambHyper) else LARS_FIELDS
+
+    def nonzero(self, name: str) -> bool:
+        """Whether an option is not 0, decided on its value (under torch.compile: a guard)."""
+        return getattr(self._h, name) != 0
+
+    def __getattr__(self, name: str):
+        value = getattr(self._h, name)
+        if self._hyper is None or isinstance(value, (bool, torch.Tensor)) or value is None:
+            return value
+        return self._hyper[self._names.index(name)]
+
+
+def _added(xs: list[torch.Tensor], ys: list[torch.Tensor], a, inplace: bool = False):
+    """``xs + a·ys`` (in place into ``xs`` when ``inplace``); ``a`` a number or a 0-dim tensor."""
+    if isinstance(a, torch.Tensor):
+        ys = torch._foreach_mul(ys, a)
+        a = 1
+    if inplace:
+        torch._foreach_add_(xs, ys, alpha=a)
+        return xs
+    return torch._foreach_add(xs, ys, alpha=a)
+
+
+def lamb_trust_ratio(w_sq: torch.Tensor, u_sq: torch.Tensor, h: _Scalars) -> torch.Tensor:
     """``φ = ‖w‖ / ‖u‖`` (zero-norm rule), clamped to the bounds; 1 when not adapting."""
     if not h.adapt:
         return torch.ones_like(w_sq)
     w_n, u_n = w_sq.sqrt(), u_sq.sqrt()
     phi = zero_norm_rule(w_n, u_n, w_n / u_n)
     if h.bounded:
-        phi = phi.clamp(h.ratio_lo, h.ratio_hi)
+        lo, hi = h.ratio_lo, h.ratio_hi
+        if isinstance(lo, torch.Tensor):
+            lo, hi = lo.to(phi.dtype), hi.to(phi.dtype)
+        phi = phi.clamp(lo, hi)
     return phi
 
 
-def lars_trust_ratio(w_sq: torch.Tensor, g_sq: torch.Tensor, h: LarsHyper) -> torch.Tensor:
+def lars_trust_ratio(w_sq: torch.Tensor, g_sq: torch.Tensor, h: _Scalars) -> torch.Tensor:
     """``κ‖w‖ / (‖g‖ + λ‖w‖ + eps)`` or ``κ‖w‖ / (‖g + λw‖ + eps)`` with the zero-norm rule."""
     if not h.adapt:
         return torch.ones_like(w_sq)
@@ -139,16 +177,30 @@ class EagerBackend(Backend):
         tensors = list(tensors)
         return _sq(tensors, _sq_dtype(tensors))
 
+    def pass1(self, kind, b: Bucket, h, hyper, grad_mult, found_inf):
+        s = _Scalars(h, hyper)
+        if kind == "lamb":
+            return self.lamb_pass1(b, s, grad_mult, found_inf)
+        return self.lars_pass1(b, s, grad_mult, found_inf)
+
+    def pass2(self, kind, b: Bucket, h, hyper, sums, grad_mult, found_inf):
+        s = _Scalars(h, hyper)
+        if kind == "lamb":
+            return self.lamb_pass2(b, s, sums, found_inf)
+        return self.lars_pass2(b, s, sums, grad_mult, found_inf)
+
     # ----------------------------------------------------------------- LAMB
-    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf):
+    def lamb_pass1(self, b: Bucket, h: _Scalars, grad_mult, found_inf):
         cd = b.compute_dtype
         t = _new_steps(b, found_inf)
         w = _compute_weights(b)
         g = _compute_grads(b, grad_mult)
-        m = torch._foreach_mul(b.exp_avgs, h.beta1)
-        torch._foreach_add_(m, g, alpha=h.beta3)
+        m = _added(torch._foreach_mul(b.exp_avgs, h.beta1), g, h.beta3, inplace=True)
         v = torch._foreach_mul(b.exp_avg_sqs, h.beta2)
-        torch._foreach_addcmul_(v, g, g, value=h.one_minus_beta2)
+        if torch.compiler.is_compiling():
+            _added(v, torch._foreach_mul(g, g), h.one_minus_beta2, inplace=True)
+        else:
+            torch._foreach_addcmul_(v, g, g, value=h.one_minus_beta2)
         # u = (m·r1) / (sqrt(v)·r2 + eps) + λ·w: Note [bias-correction factors] in math.h
         den = torch._foreach_sqrt(v)
         if h.bias_correction:
@@ -158,19 +210,22 @@ class EagerBackend(Backend):
             torch._foreach_mul_(den, r2)
         else:
             m_hat = m
-        torch._foreach_add_(den, h.eps)
+        eps = h.eps
+        torch._foreach_add_(den, [eps] * len(den) if isinstance(eps, torch.Tensor) else eps)
         u = torch._foreach_div(m_hat, den)
-        if h.lambda_in_u != 0:
-            torch._foreach_add_(u, w, alpha=h.lambda_in_u)
+        if h.nonzero("lambda_in_u"):
+            _added(u, w, h.lambda_in_u, inplace=True)
         b.scratch.update(t=t, w=w, u=u, m=m, v=v)
         return torch.stack([_sq(w, cd, b.workspace), _sq(u, cd, b.workspace)], dim=1)
 
-    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf):
+    def lamb_pass2(self, b: Bucket, h: _Scalars, sums, found_inf):
         s = b.scratch
         phi = lamb_trust_ratio(sums[:, 0], sums[:, 1], h)
         w = s["w"]
-        if h.decoupled_lambda != 0:
-            w = torch._foreach_mul(w, h.decay_factor(b.compute_dtype))
+        if h.nonzero("decoupled_lambda"):
+            decay = (1.0 - h.lr * h.decoupled_lambda if torch.compiler.is_compiling()
+                     else h._h.decay_factor(b.compute_dtype))
+            w = torch._foreach_mul(w, decay)
         step = torch._foreach_mul(s["u"], _per_tensor(-h.lr * phi))
         w_new = torch._foreach_add(w, step)
         _commit(b.exp_avgs, s["m"], found_inf)
@@ -180,35 +235,36 @@ class EagerBackend(Backend):
         b.scratch.clear()
 
     # ----------------------------------------------------------------- LARS
-    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf):
+    def lars_pass1(self, b: Bucket, h: _Scalars, grad_mult, found_inf):
         cd = b.compute_dtype
         t = _new_steps(b, found_inf)
         w = _compute_weights(b)
         g = _compute_grads(b, grad_mult)
-        d = torch._foreach_add(g, w, alpha=h.weight_decay) if h.weight_decay != 0 else g
+        d = _added(g, w, h.weight_decay) if h.nonzero("weight_decay") else g
         b.scratch.update(t=t, w=w, d=d)
         return torch.stack([_sq(w, cd, b.workspace), _sq(d if h.combined else g, cd, b.workspace)],
                            dim=1)
 
-    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf):
+    def lars_pass2(self, b: Bucket, h: _Scalars, sums, grad_mult, found_inf):
         s = b.scratch
         t, w = s["t"], s["w"]
         ratio = lars_trust_ratio(sums[:, 0], sums[:, 1], h)
         d = torch._foreach_mul(s["d"], _per_tensor(ratio))
-        mu, buf = h.momentum, b.momentum_buffers
+        mu, buf, lr = h.momentum, b.momentum_buffers, h.lr
         if h.lr_in_momentum:
-            lr_d = torch._foreach_mul(d, h.lr)  # h.lr may be a tensor (capturable steps)
+            lr_d = torch._foreach_mul(d, lr)  # h.lr may be a tensor (capturable steps)
             v = torch._foreach_mul(buf, mu)
             torch._foreach_add_(v, lr_d)
-            step = torch._foreach_add(lr_d, v, alpha=mu) if h.nesterov else v
+            step = _added(lr_d, v, mu) if h.nesterov else v
         else:
             later = (t != 1).to(b.compute_dtype)  # torch SGD: the buffer starts as d at t = 1
             a = _per_tensor(later * mu)
-            c = _per_tensor(torch.full_like(later, h.one_minus_dampening).where(later != 0, 1.0))
+            c = _per_tensor((torch.ones_like(later) * h.one_minus_dampening).where(
+                later != 0, 1.0))
             v = torch._foreach_mul(buf, a)
             torch._foreach_add_(v, torch._foreach_mul(d, c))
-            step = torch._foreach_add(d, v, alpha=mu) if h.nesterov else v
-            step = torch._foreach_mul(step, h.lr)
+            step = _added(d, v, mu) if h.nesterov else v
+            step = torch._foreach_mul(step, lr)
         w_new = torch._foreach_sub(w, step)
         _commit(buf, v, found_inf)
         _commit_weights(b, w_new, found_inf)

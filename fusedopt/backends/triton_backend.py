@@ -15,17 +15,18 @@ float64 for float64 params (hyper-parameters travel as float64 kernel arguments)
 Devices: CUDA tensors (compiled kernels); CPU tensors only under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment before triton is imported), which the tests use.
 
-Note [triton operators]: under ``torch.compile`` the passes go through the ``torch.library``
-operators ``fusedopt::triton_{lamb,lars}_pass{1,2}`` and ``fusedopt::triton_sq_norms`` (opaque
-custom ops with fake implementations), so dynamo records one operator call per pass instead of
-breaking the graph at the pointer tables, and the compiled graph launches the same kernels as
-eager mode. An operator builds its bucket again from its tensor lists and hyper-parameters;
-its tables are kept in a workspace keyed by the params' data pointers (at most
-``_OP_WORKSPACES`` of them, least recently used first out), so a compiled step whose tensors
-stay where they are builds nothing after its first step. Pass 1's operator compiles every
-kernel of the step before it runs one, as ``prepare`` does in eager mode; with
-``backend="auto"`` a compile failure inside a compiled graph raises (there is no fall-back from
-inside a graph).
+Note [triton operators]: the launches are module-level functions (:func:`run_pass1`,
+:func:`run_pass2`, :func:`run_sq_norms`) over a bucket's lists, its hyper tensor (Note [hyper
+fields] in csrc/cpu/ops.h) and a ``TableStore``. An uncompiled step calls them directly; under
+``torch.compile`` the backend calls the ``torch.library`` operators
+``fusedopt::triton_{lamb,lars}_pass{1,2}`` and ``fusedopt::triton_sq_norms`` (opaque custom ops
+with fake implementations) instead, whose bodies call the same functions, so dynamo records one
+operator call per pass instead of breaking the graph at the pointer tables. An operator finds its
+bucket's tables through the ids it is given (the optimizer's step cache and the bucket's slot,
+Note [step cache] in fusedopt/_bucket.py): the compiled step keeps them where the uncompiled one
+does, for as long as the optimizer. Pass 1's operator compiles every kernel of the step before
+it runs one, as ``prepare`` does in eager mode; with ``backend="auto"`` a compile failure inside a
+compiled graph raises (there is no fall-back from inside a graph).
 
 Note [lazy import]: importing this module does not import triton, and neither does constructing
 the backend (``fusedopt.available_backends()`` constructs every backend): triton decides
@@ -35,19 +36,16 @@ on first use.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import math
 import os
 import sys
-from collections import OrderedDict
 from typing import Optional
 
 import torch
 
 from . import Backend
-from .._bucket import Bucket
-from .._hyper import LambHyper, LarsHyper
+from .._bucket import Bucket, StepCache, compute_dtype
+from .._hyper import LAMB_FIELDS, LARS_FIELDS
 from ..flat import _dense_layout
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,13 +78,225 @@ class _Kernels:
                       torch.float32: tl.float32, torch.float64: tl.float64}
 
 
+_kernels: _Kernels | None = None
+
+
+def _k() -> _Kernels:
+    global _kernels
+    if _kernels is None:
+        _kernels = _Kernels()
+    return _kernels
+
+
+def _store(workspace: dict | None):
+    """The TableStore of a bucket's workspace (Note [table ownership] in kernels/tables.py), or
+    None for a one-off bucket (tables built per call)."""
+    if workspace is None:
+        return None
+    store = workspace.get("triton")
+    if store is None:
+        store = workspace["triton"] = _k().tables.TableStore()
+    return store
+
+
+def _store_of(cache_id: int, slot: str):
+    """An operator's TableStore: the one of the bucket ``slot`` of the step cache ``cache_id``."""
+    cache = StepCache.find(cache_id)
+    return None if cache is None else _store(cache.workspace(slot))
+
+
+# A bucket's lists as the launches take them: params, grads, masters (None: no masters), the two
+# state lists of the kind (LARS: momentum buffers and None), steps.
+Lists = tuple
+
+
+def _values(kind: str, hyper) -> dict:
+    """The hyper-parameters by field name: of a LambHyper / LarsHyper (an uncompiled step), or
+    read from its hyper tensor (an operator: a CPU tensor, no device sync; Note [hyper fields])."""
+    names = LAMB_FIELDS if kind == "lamb" else LARS_FIELDS
+    if isinstance(hyper, torch.Tensor):
+        return dict(zip(names, hyper.tolist()))
+    return {name: getattr(hyper, name) for name in names}
+
+
+def _common(lists: Lists, table, found_inf) -> dict:
+    """Table arguments and constexprs common to the kernels of one launch; a step without
+    ``found_inf`` passes a 0 (Note [runtime flags] in kernels/tables.py)."""
+    k, t = _k(), _k().tables
+    params, masters = lists[0], lists[2]
+    dev, p_dtype = params[0].device, params[0].dtype
+    if found_inf is None:
+        found_inf = t.operand(dev, torch.float32, 0.0)
+    return dict(records=table.records, owner=table.owner, found_inf=found_inf,
+                P_DTYPE=k.dtype[p_dtype], CD=k.dtype[compute_dtype(p_dtype)],
+                HAS_MASTER=masters is not None, ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE,
+                ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE)
+
+
+def _grad_mult(lists: Lists, grad_mult):
+    """``grad_mult``, or a 1 when the step has none (Note [runtime flags])."""
+    if grad_mult is not None:
+        return grad_mult
+    p = lists[0][0]
+    return _k().tables.operand(p.device, compute_dtype(p.dtype), 1.0)
+
+
 def _lr_args(lr, device) -> dict:
-    """``lr`` and ``lr_ptr`` of a pass-2 launch (Note [runtime flags] in kernels/tables.py): a
-    tensor lr as float64 on ``device`` (exact from any floating dtype), a number in ``lr``."""
+    """``lr`` and ``lr_ptr`` of a pass-2 launch (Note [runtime flags]): a tensor lr as float64 on
+    ``device`` (exact from any floating dtype), a number lr in ``lr`` with a 0 in ``lr_ptr``."""
     if isinstance(lr, torch.Tensor):
         return dict(lr=0.0, lr_ptr=lr.to(device=device, dtype=torch.float64))
-    from ..kernels.tables import operand
-    return dict(lr=lr, lr_ptr=operand(device, torch.float64, 0.0))
+    return dict(lr=lr, lr_ptr=_k().tables.operand(device, torch.float64, 0.0))
+
+
+def tables_of(lists: Lists, store) -> list:
+    """The tables of both passes over a bucket's lists (kept in ``store`` while they stay)."""
+    return _k().tables.tables(list(lists), store)
+
+
+def pass1_launches(kind: str, lists: Lists, hyper, grad_mult, found_inf, sums,
+                   tabs) -> list:
+    """The ``(kernel, table, kwargs)`` of pass 1 over ``tabs`` (Note [runtime flags])."""
+    k, t, h = _k(), _k().tables, _values(kind, hyper)
+    cd = sums.dtype
+    out = []
+    for table in tabs:
+        kw = dict(_common(lists, table, found_inf), partials=table.partials(cd),
+                  counters=table.counters, sums=sums, grad_mult=_grad_mult(lists, grad_mult),
+                  G_DTYPE=k.dtype[lists[1][0].dtype], RBLOCK=t.REDUCE_BLOCK)
+        if kind == "lamb":
+            kernel = k.lamb.lamb_pass1_kernel
+            kw.update(beta1=h["beta1"], beta2=h["beta2"], beta3=h["beta3"],
+                      one_minus_beta2=h["one_minus_beta2"], eps=h["eps"],
+                      lambda_in_u=h["lambda_in_u"],
+                      flags=t.flags(BIAS_CORRECTION=h["bias_correction"] != 0))
+        else:
+            kernel = k.lars.lars_pass1_kernel
+            kw.update(weight_decay=h["weight_decay"], flags=t.flags(COMBINED=h["combined"] != 0))
+        out.append((kernel, table, kw))
+    return out
+
+
+def pass2_launches(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_inf,
+                   tabs) -> list:
+    """The ``(kernel, table, kwargs)`` of pass 2 over ``tabs``; ``lr`` a tensor lr or None."""
+    k, t, h = _k(), _k().tables, _values(kind, hyper)
+    dev = lists[0][0].device
+    lr_kw = _lr_args(lr if isinstance(lr, torch.Tensor) else h["lr"], dev)
+    out = []
+    for table in tabs:
+        kw = dict(_common(lists, table, found_inf), sums=sums, **lr_kw)
+        on = {name: h[field] != 0 for name, field in (
+            ("BIAS_CORRECTION", "bias_correction"), ("ADAPT", "adapt"), ("BOUNDED", "bounded"),
+            ("COMBINED", "combined"), ("TRUST_CLIP", "trust_clip"), ("NESTEROV", "nesterov"),
+            ("LR_IN_MOMENTUM", "lr_in_momentum")) if field in h}
+        if kind == "lamb":
+            kernel = k.lamb.lamb_pass2_kernel
+            kw.update(beta1=h["beta1"], beta2=h["beta2"], beta3=h["beta3"],
+                      one_minus_beta2=h["one_minus_beta2"], eps=h["eps"],
+                      lambda_in_u=h["lambda_in_u"], decoupled_wd=h["decoupled_lambda"],
+                      ratio_lo=h["ratio_lo"], ratio_hi=h["ratio_hi"],
+                      flags=t.flags(LR_TENSOR=isinstance(lr, torch.Tensor), **on))
+        else:
+            kernel = k.lars.lars_pass2_kernel
+            kw.update(grad_mult=_grad_mult(lists, grad_mult), G_DTYPE=k.dtype[lists[1][0].dtype],
+                      momentum=h["momentum"], one_minus_dampening=h["one_minus_dampening"],
+                      weight_decay=h["weight_decay"], trust_coefficient=h["trust_coefficient"],
+                      eps=h["eps"], flags=t.flags(LR_TENSOR=isinstance(lr, torch.Tensor), **on))
+        out.append((kernel, table, kw))
+    return out
+
+
+def sq_norms_launches(tensors: list[torch.Tensor], store, out: torch.Tensor) -> list:
+    """The ``(kernel, table, kwargs)`` of per-tensor Σx² over dense tensors of one dtype into
+    ``out`` (float64 for float64 tensors, else float32)."""
+    k, t = _k(), _k().tables
+    dtype, cd = tensors[0].dtype, out.dtype
+    return [(k.common.sq_norms_kernel, table,
+             dict(records=table.records, owner=table.owner, partials=table.partials(cd),
+                  counters=table.counters, sums=out, X_DTYPE=k.dtype[dtype], CD=k.dtype[cd],
+                  ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
+                  RBLOCK=t.REDUCE_BLOCK))
+            for table in t.tables([tensors], store, role=f"sq_norms:{dtype}")]
+
+
+def _sums(lists: Lists) -> torch.Tensor:
+    p = lists[0][0]
+    return torch.empty(len(lists[0]), 2, dtype=compute_dtype(p.dtype), device=p.device)
+
+
+def run_pass1(kind: str, lists: Lists, hyper, grad_mult, found_inf, store,
+              tabs=None) -> torch.Tensor:
+    """Pass 1 of ``kind`` over a bucket's lists: one launch per table; returns the ``[n, 2]``
+    sums."""
+    sums = _sums(lists)
+    tabs = tables_of(lists, store) if tabs is None else tabs
+    for kernel, table, kw in pass1_launches(kind, lists, hyper, grad_mult, found_inf, sums, tabs):
+        _k().tables.launch(kernel, table, **kw)
+    return sums
+
+
+def run_pass2(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_inf,
+              store, tabs=None) -> None:
+    tabs = tables_of(lists, store) if tabs is None else tabs
+    for kernel, table, kw in pass2_launches(kind, lists, hyper, lr, sums.contiguous(), grad_mult,
+                                            found_inf, tabs):
+        _k().tables.launch(kernel, table, **kw)
+
+
+def run_sq_norms(tensors: list[torch.Tensor], store) -> torch.Tensor:
+    """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    out_dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+    out = torch.empty(len(tensors), dtype=out_dtype, device=tensors[0].device)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(tensors):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        group = [tensors[i] if _dense_layout(tensors[i]) else tensors[i].contiguous() for i in idx]
+        part = out if len(by_dtype) == 1 and compute_dtype(dtype) == out_dtype else torch.empty(
+            len(group), dtype=compute_dtype(dtype), device=out.device)
+        for kernel, table, kw in sq_norms_launches(group, store, part):
+            _k().tables.launch(kernel, table, **kw)
+        if part is not out:
+            out[torch.tensor(idx, device=out.device)] = part.to(out_dtype)
+    return out
+
+
+# specializations compiled in this process (compiled kernels are process-wide and immutable)
+_compiled: set = set()
+
+
+def compile_step(kind: str, lists: Lists, hyper, clip: bool, store,
+                 tabs=None) -> None:
+    """Compile every kernel a step of ``kind`` launches over ``lists`` before any runs, so that a
+    compile failure changes nothing. The launches of a step are declared by the ``*_launches``
+    functions; a specialization is the kernel, its constexprs, the dtypes of its tensor
+    arguments and whether each is 16-byte aligned (Triton specializes on it), each compiled
+    once per process (a no-op under the interpreter)."""
+    t = _k().tables
+    tabs = tables_of(lists, store) if tabs is None else tabs
+    sums = _sums(lists)
+    launches = (pass1_launches(kind, lists, hyper, None, None, sums, tabs)
+                + pass2_launches(kind, lists, hyper, None, sums, None, None, tabs))
+    if clip:
+        grads = lists[1]
+        launches += sq_norms_launches(grads, store, torch.empty(
+            len(grads), dtype=compute_dtype(grads[0].dtype), device=grads[0].device))
+    for kernel, table, kw in launches:
+        key = (kernel, table.device.type, tuple((k, v) for k, v in kw.items() if k.isupper()),
+               tuple((str(v.dtype), v.data_ptr() % 16 == 0) for v in kw.values()
+                     if isinstance(v, torch.Tensor)))
+        if key not in _compiled:
+            t.compile_only(kernel, table, **kw)
+            _compiled.add(key)
+
+
+def _lists(b: Bucket) -> Lists:
+    if b.exp_avgs is not None:
+        return b.params, b.grads, b.masters, b.exp_avgs, b.exp_avg_sqs, b.steps
+    return b.params, b.grads, b.masters, b.momentum_buffers, None, b.steps
 
 
 class TritonBackend(Backend):
@@ -95,14 +305,10 @@ class TritonBackend(Backend):
     def __init__(self):
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend='triton' needs the triton package: pip install triton")
-        self._k: _Kernels | None = None
-        self._compiled: set = set()  # specializations compiled by prepare()
 
     @property
     def k(self) -> _Kernels:
-        if self._k is None:
-            self._k = _Kernels()
-        return self._k
+        return _k()
 
     def unavailable_reason(self, device, param_dtype, grad_dtype):
         for what, dt in (("param", param_dtype), ("grad", grad_dtype)):
@@ -118,252 +324,74 @@ class TritonBackend(Backend):
             return interpreter_reason()
         return f"Triton kernels need a CUDA device, not {device.type}"
 
-    # -------------------------------------------------------------- shared
-    @staticmethod
-    def _store(workspace: dict | None):
-        """The TableStore of a bucket's workspace (Note [table ownership] in kernels/tables.py),
-        or None for a one-off bucket (no workspace)."""
-        if workspace is None:
-            return None
-        store = workspace.get("triton")
-        if store is None:
-            from ..kernels.tables import TableStore
-            store = workspace["triton"] = TableStore()
-        return store
+    def bind(self, b: Bucket, check: bool) -> bool:
+        """The tables of the step, found (or built) once and used by prepare and both passes."""
+        if check and not torch.compiler.is_compiling():
+            b.scratch["tables"] = tables_of(_lists(b), _store(b.workspace))
+        return False
 
-    def _structure(self, b: Bucket, table, found_inf) -> dict:
-        """Table arguments and constexprs common to the kernels of one launch; a step without
-        ``found_inf`` passes a 0 (Note [runtime flags] in kernels/tables.py)."""
-        t = self.k.tables
-        if found_inf is None:
-            found_inf = t.operand(b.device, torch.float32, 0.0)
-        return dict(
-            records=table.records, owner=table.owner, found_inf=found_inf,
-            P_DTYPE=self.k.dtype[b.param_dtype], CD=self.k.dtype[b.compute_dtype],
-            HAS_MASTER=b.masters is not None,
-            ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
-        )
-
-    def _grad_mult(self, b: Bucket, grad_mult):
-        """``grad_mult``, or a 1 when the step has none (Note [runtime flags])."""
-        if grad_mult is None:
-            return self.k.tables.operand(b.device, b.compute_dtype, 1.0)
-        return grad_mult
-
-    def _tables(self, b: Bucket, state: list) -> list:
-        """The tables of both passes over ``b`` (``state``: the kind's two state lists)."""
-        return self.k.tables.tables([b.params, b.grads, b.masters, *state, b.steps],
-                                    self._store(b.workspace))
-
-    def _pass1(self, kernel, b: Bucket, state: list, grad_mult, found_inf, run=None,
-               **scalars) -> torch.Tensor:
-        """Launch a pass-1 kernel on every table of the bucket; returns the ``[n, 2]`` sums.
-        ``run`` (default ``tables.launch``) takes each launch: :meth:`prepare` compiles instead."""
-        t = self.k.tables
-        cd = b.compute_dtype
-        sums = torch.empty(len(b.params), 2, dtype=cd, device=b.device)
-        tabs = self._tables(b, state)
-        run = run or t.launch
-        for table in tabs:
-            run(kernel, table, **self._structure(b, table, found_inf),
-                partials=table.partials(cd), counters=table.counters, sums=sums,
-                grad_mult=self._grad_mult(b, grad_mult), G_DTYPE=self.k.dtype[b.grad_dtype],
-                RBLOCK=t.REDUCE_BLOCK, **scalars)
-        b.scratch["tables"] = tabs
-        return sums
-
-    def _pass2(self, kernel, b: Bucket, sums: torch.Tensor, found_inf, run=None, **args) -> None:
-        sums = sums.contiguous()
-        run = run or self.k.tables.launch
-        for table in b.scratch.pop("tables"):
-            run(kernel, table, **self._structure(b, table, found_inf), sums=sums, **args)
-
-    def sq_norms(self, tensors, store=None, run=None):
-        """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied)."""
-        tensors = list(tensors)
-        if not tensors:
-            return torch.zeros(0, dtype=torch.float32)
-        t = self.k.tables
-        run = run or t.launch
-        out_dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
-        out = torch.empty(len(tensors), dtype=out_dtype, device=tensors[0].device)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, x in enumerate(tensors):
-            by_dtype.setdefault(x.dtype, []).append(i)
-        for dtype, idx in by_dtype.items():
-            group = [tensors[i] if _dense_layout(tensors[i]) else tensors[i].contiguous()
-                     for i in idx]
-            cd = torch.float64 if dtype == torch.float64 else torch.float32
-            part = out if len(by_dtype) == 1 and cd == out_dtype else torch.empty(
-                len(group), dtype=cd, device=out.device)
-            for table in t.tables([group], store, role=f"sq_norms:{dtype}"):
-                run(self.k.common.sq_norms_kernel, table,
-                    records=table.records, owner=table.owner, partials=table.partials(cd),
-                    counters=table.counters, sums=part,
-                    X_DTYPE=self.k.dtype[dtype], CD=self.k.dtype[cd], ALIGNED=table.aligned,
-                    CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE, RBLOCK=t.REDUCE_BLOCK)
-            if part is not out:
-                out[torch.tensor(idx, device=out.device)] = part.to(out_dtype)
-        return out
-
-    def grad_sq_norms(self, b: Bucket, run=None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # Note [triton operators]
-            return torch.ops.fusedopt.triton_sq_norms(b.grads)
-        return self.sq_norms(b.grads, self._store(b.workspace), run)
+    def end(self, b: Bucket) -> None:
+        b.scratch.pop("tables", None)
 
     def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
                 clip: bool) -> None:
-        """Compile every kernel this step will launch for ``b`` before anything runs, so that a
-        compile failure leaves every tensor as it was (Backend.prepare). Each specialization is
-        compiled once per process; the check of a known one is a pass over the launch arguments.
-        Under torch.compile pass 1's operator does this when the graph runs (Note [triton
-        operators])."""
+        if not torch.compiler.is_compiling():  # Note [triton operators]: pass 1's operator does
+            compile_step(kind, _lists(b), h, clip, _store(b.workspace), b.scratch.get("tables"))
+
+    def sq_norms(self, tensors):
+        return run_sq_norms(list(tensors), None)
+
+    def grad_sq_norms(self, b: Bucket) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return
-        dev = b.device
-        # the launches take a 1 and a 0 where the step has no grad_mult and found_inf (Note
-        # [runtime flags]), so these stand for both cases
-        gm = fi = None
-        seen = self._compiled
+            return torch.ops.fusedopt.triton_sq_norms(b.grads, *_ids(b))
+        return run_sq_norms(b.grads, _store(b.workspace))
 
-        def compile_once(kernel, table, **kwargs):
-            key = (kernel, dev.type, tuple((k, v) for k, v in kwargs.items() if k.isupper()),
-                   tuple(str(v.dtype) for v in kwargs.values() if isinstance(v, torch.Tensor)))
-            if key not in seen:
-                self.k.tables.compile_only(kernel, table, **kwargs)
-                seen.add(key)
+    def pass1(self, kind, b: Bucket, h, hyper, grad_mult, found_inf):
+        lists = _lists(b)
+        if torch.compiler.is_compiling():
+            op = torch.ops.fusedopt.triton_lamb_pass1 if kind == "lamb" else \
+                torch.ops.fusedopt.triton_lars_pass1
+            return op(*_op_lists(lists), hyper, grad_mult, found_inf, *_ids(b))
+        return run_pass1(kind, lists, h, grad_mult, found_inf, _store(b.workspace),
+                         b.scratch.get("tables"))
 
-        try:
-            if clip:
-                self.grad_sq_norms(b, run=compile_once)
+    def pass2(self, kind, b: Bucket, h, hyper, sums, grad_mult, found_inf):
+        lists, lr = _lists(b), (h.lr if isinstance(h.lr, torch.Tensor) else None)
+        if torch.compiler.is_compiling():
             if kind == "lamb":
-                sums = self.lamb_pass1(b, h, gm, fi, run=compile_once)
-                self.lamb_pass2(b, h, sums, fi, run=compile_once)
-            else:
-                sums = self.lars_pass1(b, h, gm, fi, run=compile_once)
-                self.lars_pass2(b, h, sums, gm, fi, run=compile_once)
-        finally:
-            b.scratch.pop("tables", None)
-
-    # ----------------------------------------------------------------- LAMB
-    @staticmethod
-    def _lamb_scalars(h: LambHyper) -> dict:
-        """Kernel arguments of math.h's ``lamb_coef``, shared by both passes."""
-        return dict(beta1=h.beta1, beta2=h.beta2, beta3=h.beta3, one_minus_beta2=h.one_minus_beta2,
-                    eps=h.eps, lambda_in_u=h.lambda_in_u)
-
-    def lamb_pass1(self, b: Bucket, h: LambHyper, grad_mult, found_inf, run=None):
-        if torch.compiler.is_compiling():
-            return torch.ops.fusedopt.triton_lamb_pass1(
-                b.params, b.grads, b.masters or [], b.exp_avgs, b.exp_avg_sqs, b.steps,
-                _floats(h), grad_mult, found_inf)
-        return self._pass1(self.k.lamb.lamb_pass1_kernel, b, [b.exp_avgs, b.exp_avg_sqs], grad_mult,
-                           found_inf, run, **self._lamb_scalars(h),
-                           flags=self.k.tables.flags(BIAS_CORRECTION=h.bias_correction))
-
-    def lamb_pass2(self, b: Bucket, h: LambHyper, sums, found_inf, run=None):
-        if torch.compiler.is_compiling():
-            return torch.ops.fusedopt.triton_lamb_pass2(
-                b.params, b.grads, b.masters or [], b.exp_avgs, b.exp_avg_sqs, b.steps, sums,
-                _floats(h), _tensor_lr(h), found_inf)
-        self._pass2(
-            self.k.lamb.lamb_pass2_kernel, b, sums, found_inf, run, **self._lamb_scalars(h),
-            decoupled_wd=h.decoupled_lambda, ratio_lo=h.ratio_lo, ratio_hi=h.ratio_hi,
-            flags=self.k.tables.flags(LR_TENSOR=isinstance(h.lr, torch.Tensor),
-                                      BIAS_CORRECTION=h.bias_correction, ADAPT=h.adapt,
-                                      BOUNDED=h.bounded),
-            **_lr_args(h.lr, b.device),
-        )
-
-    # ----------------------------------------------------------------- LARS
-    def lars_pass1(self, b: Bucket, h: LarsHyper, grad_mult, found_inf, run=None):
-        if torch.compiler.is_compiling():
-            return torch.ops.fusedopt.triton_lars_pass1(
-                b.params, b.grads, b.masters or [], b.momentum_buffers, b.steps, _floats(h),
-                grad_mult, found_inf)
-        return self._pass1(self.k.lars.lars_pass1_kernel, b, [b.momentum_buffers, None], grad_mult,
-                           found_inf, run, weight_decay=h.weight_decay,
-                           flags=self.k.tables.flags(COMBINED=h.combined))
-
-    def lars_pass2(self, b: Bucket, h: LarsHyper, sums, grad_mult, found_inf, run=None):
-        if torch.compiler.is_compiling():
-            return torch.ops.fusedopt.triton_lars_pass2(
-                b.params, b.grads, b.masters or [], b.momentum_buffers, b.steps, sums, _floats(h),
-                _tensor_lr(h), grad_mult, found_inf)
-        self._pass2(
-            self.k.lars.lars_pass2_kernel, b, sums, found_inf, run,
-            grad_mult=self._grad_mult(b, grad_mult), G_DTYPE=self.k.dtype[b.grad_dtype],
-            momentum=h.momentum, one_minus_dampening=h.one_minus_dampening,
-            weight_decay=h.weight_decay, trust_coefficient=h.trust_coefficient, eps=h.eps,
-            flags=self.k.tables.flags(LR_TENSOR=isinstance(h.lr, torch.Tensor), ADAPT=h.adapt,
-                                      COMBINED=h.combined, TRUST_CLIP=h.trust_clip,
-                                      NESTEROV=h.nesterov, LR_IN_MOMENTUM=h.lr_in_momentum),
-            **_lr_args(h.lr, b.device),
-        )
+                return torch.ops.fusedopt.triton_lamb_pass2(*_op_lists(lists), sums, hyper, lr,
+                                                            found_inf, *_ids(b))
+            return torch.ops.fusedopt.triton_lars_pass2(*_op_lists(lists), sums, hyper, lr,
+                                                        grad_mult, found_inf, *_ids(b))
+        run_pass2(kind, lists, h, lr, sums, grad_mult, found_inf, _store(b.workspace),
+                  b.scratch.get("tables"))
 
 
 # ------------------------------------------------------------------------ operators
 # Note [triton operators]
-_HYPER = {"lamb": LambHyper, "lars": LarsHyper}
-_OP_WORKSPACES = 64
-_op_workspaces: OrderedDict = OrderedDict()
+def _ids(b: Bucket) -> tuple[int, str]:
+    """The step cache id and slot that an operator finds the bucket's tables by (-1: none)."""
+    return (-1 if b.cache is None else b.cache.id), b.slot
 
 
-def _floats(h) -> list[float]:
-    """``h``'s fields in declaration order as floats (True 1, None and a tensor lr NaN); a
-    tensor lr travels beside them (:func:`_tensor_lr`)."""
-    return [math.nan if v is None or isinstance(v, torch.Tensor) else float(v)
-            for v in (getattr(h, f.name) for f in dataclasses.fields(h))]
+def _op_lists(lists: Lists) -> tuple:
+    """The lists as operator arguments: an empty list for masters and state the bucket has not."""
+    params, grads, masters, s0, s1, steps = lists
+    return (params, grads, masters or [], s0) + ((s1,) if s1 is not None else ()) + (steps,)
 
 
-def _tensor_lr(h) -> torch.Tensor | None:
-    return h.lr if isinstance(h.lr, torch.Tensor) else None
-
-
-def _hyper(kind: str, floats: list[float], lr: torch.Tensor | None):
-    """The inverse of :func:`_floats`, with ``lr`` the tensor lr (None: a number lr)."""
-    values = {}
-    for f, v in zip(dataclasses.fields(_HYPER[kind]), floats):
-        kind_of = str(f.type)
-        values[f.name] = (bool(v) if kind_of == "bool"
-                          else None if "None" in kind_of and math.isnan(v) else v)
-    if lr is not None:
-        values["lr"] = lr
-    return _HYPER[kind](**values)
-
-
-def _op_workspace(tensors) -> dict:
-    """The workspace of an operator call on ``tensors`` (keyed by their data pointers)."""
-    key = tuple(t.data_ptr() for t in tensors)
-    workspace = _op_workspaces.pop(key, None)
-    if workspace is None:
-        workspace = {}
-        while len(_op_workspaces) >= _OP_WORKSPACES:
-            _op_workspaces.popitem(last=False)
-    _op_workspaces[key] = workspace
-    return workspace
-
-
-def _op_bucket(params, grads, masters, steps, **state) -> Bucket:
-    """A bucket for an operator call, with the workspace of its params' pointers."""
-    return Bucket(params=list(params), grads=list(grads), steps=list(steps),
-                  masters=list(masters) or None, workspace=_op_workspace(params),
-                  **{k: list(v) for k, v in state.items()})
-
-
-def _backend() -> TritonBackend:
-    from . import get_backend
-    return get_backend("triton")
+def _from_op(params, grads, masters, s0, s1, steps) -> Lists:
+    return list(params), list(grads), list(masters) or None, list(s0), \
+        None if s1 is None else list(s1), list(steps)
 
 
 @torch.library.custom_op("fusedopt::triton_sq_norms", mutates_args=())
-def _sq_norms_op(tensors: list[torch.Tensor]) -> torch.Tensor:
-    be = _backend()
-    return be.sq_norms(tensors, be._store(_op_workspace(tensors)))
+def _sq_norms_op(tensors: list[torch.Tensor], cache_id: int, slot: str) -> torch.Tensor:
+    return run_sq_norms(list(tensors), _store_of(cache_id, slot))
 
 
 @_sq_norms_op.register_fake
-def _(tensors):
+def _(tensors, cache_id, slot):
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     return tensors[0].new_empty((len(tensors),), dtype=dtype)
 
@@ -377,50 +405,46 @@ def _sums_fake(params, *_):
                          mutates_args=("exp_avgs", "exp_avg_sqs", "steps"))
 def _lamb_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: list[float],
-                   grad_mult: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]
-                   ) -> torch.Tensor:
-    be, h = _backend(), _hyper("lamb", hyper, None)
-    b = _op_bucket(params, grads, masters, steps, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
-    be.prepare(b, "lamb", h, grad_mult is not None, found_inf is not None, False)
-    return be.lamb_pass1(b, h, grad_mult, found_inf)
+                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
+                   hyper: torch.Tensor, grad_mult: Optional[torch.Tensor],
+                   found_inf: Optional[torch.Tensor], cache_id: int, slot: str) -> torch.Tensor:
+    lists, store = _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps), \
+        _store_of(cache_id, slot)
+    compile_step("lamb", lists, hyper, False, store)
+    return run_pass1("lamb", lists, hyper, grad_mult, found_inf, store)
 
 
 @torch.library.custom_op("fusedopt::triton_lamb_pass2", mutates_args=("params", "masters"))
 def _lamb_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], sums: torch.Tensor,
-                   hyper: list[float], lr: Optional[torch.Tensor],
-                   found_inf: Optional[torch.Tensor]) -> None:
-    be, h = _backend(), _hyper("lamb", hyper, lr)
-    b = _op_bucket(params, grads, masters, steps, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
-    b.scratch["tables"] = be._tables(b, [b.exp_avgs, b.exp_avg_sqs])  # pass 1's, from the store
-    be.lamb_pass2(b, h, sums, found_inf)
+                   hyper: torch.Tensor, lr: Optional[torch.Tensor],
+                   found_inf: Optional[torch.Tensor], cache_id: int, slot: str) -> None:
+    run_pass2("lamb", _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps), hyper, lr,
+              sums, None, found_inf, _store_of(cache_id, slot))
 
 
 @torch.library.custom_op("fusedopt::triton_lars_pass1", mutates_args=("steps",))
 def _lars_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    masters: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
-                   steps: list[torch.Tensor], hyper: list[float],
-                   grad_mult: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]
-                   ) -> torch.Tensor:
-    be, h = _backend(), _hyper("lars", hyper, None)
-    b = _op_bucket(params, grads, masters, steps, momentum_buffers=momentum_buffers)
-    be.prepare(b, "lars", h, grad_mult is not None, found_inf is not None, False)
-    return be.lars_pass1(b, h, grad_mult, found_inf)
+                   steps: list[torch.Tensor], hyper: torch.Tensor,
+                   grad_mult: Optional[torch.Tensor], found_inf: Optional[torch.Tensor],
+                   cache_id: int, slot: str) -> torch.Tensor:
+    lists, store = _from_op(params, grads, masters, momentum_buffers, None, steps), \
+        _store_of(cache_id, slot)
+    compile_step("lars", lists, hyper, False, store)
+    return run_pass1("lars", lists, hyper, grad_mult, found_inf, store)
 
 
 @torch.library.custom_op("fusedopt::triton_lars_pass2",
                          mutates_args=("params", "masters", "momentum_buffers"))
 def _lars_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    masters: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
-                   steps: list[torch.Tensor], sums: torch.Tensor, hyper: list[float],
+                   steps: list[torch.Tensor], sums: torch.Tensor, hyper: torch.Tensor,
                    lr: Optional[torch.Tensor], grad_mult: Optional[torch.Tensor],
-                   found_inf: Optional[torch.Tensor]) -> None:
-    be, h = _backend(), _hyper("lars", hyper, lr)
-    b = _op_bucket(params, grads, masters, steps, momentum_buffers=momentum_buffers)
-    b.scratch["tables"] = be._tables(b, [b.momentum_buffers, None])  # pass 1's, from the store
-    be.lars_pass2(b, h, sums, grad_mult, found_inf)
+                   found_inf: Optional[torch.Tensor], cache_id: int, slot: str) -> None:
+    run_pass2("lars", _from_op(params, grads, masters, momentum_buffers, None, steps), hyper, lr,
+              sums, grad_mult, found_inf, _store_of(cache_id, slot))
 
 
 _lamb_pass1_op.register_fake(_sums_fake)
