@@ -52,6 +52,13 @@ def is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _show(x: Any) -> str:
+    """``repr(x)`` for an error message, short for an int of many digits."""
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10 ** 30:
+        return f"an int of {len(str(abs(x))) if abs(x) < 10 ** 4000 else 'over 4000'} digits"
+    return repr(x)
+
+
 def _finite(x: Any) -> bool:
     """Whether the real number ``x`` is finite as a float64 (False for NaN, inf and an int too
     large for a float). Written with comparisons only (Note [traced options])."""
@@ -76,14 +83,14 @@ def _check_lr(lr: Any) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or lr.is_complex() or not lr.is_floating_point():
             raise ValueError(f"Invalid lr: a tensor lr must be a real floating-point tensor of one "
-                             f"element, got {lr!r}")
+                             f"element, got {_show(lr)}")
         if lr.device.type == "meta":
             raise ValueError("Invalid lr: a tensor lr on the meta device holds no value")
         if not torch.compiler.is_compiling():  # a traced step reads no value on the host
             check_lr_value(lr)
         return
     if not is_real(lr) or not (lr >= 0.0) or not _finite(lr):
-        raise ValueError(f"Invalid lr: {lr!r}; expected a finite number >= 0")
+        raise ValueError(f"Invalid lr: {_show(lr)}; expected a finite number >= 0")
 
 
 def check_lr_value(lr: torch.Tensor) -> None:
@@ -96,19 +103,19 @@ def check_lr_value(lr: torch.Tensor) -> None:
 
 def _check_nonneg(name: str, x: Any) -> None:
     if not is_real(x) or not (x >= 0.0) or not _finite(x):
-        raise ValueError(f"Invalid {name}: {x!r}; expected a finite number >= 0")
+        raise ValueError(f"Invalid {name}: {_show(x)}; expected a finite number >= 0")
 
 
 def _check_bool(name: str, x: Any) -> None:
     if not isinstance(x, bool):
-        raise ValueError(f"Invalid {name}: {x!r}; expected True or False")
+        raise ValueError(f"Invalid {name}: {_show(x)}; expected True or False")
 
 
 def _check_max_grad_norm(x: Any) -> None:
     if x is None:
         return
     if not is_real(x) or not (x > 0.0) or not _finite(x):
-        raise ValueError(f"Invalid max_grad_norm: {x!r}; expected None (no clipping) or a finite "
+        raise ValueError(f"Invalid max_grad_norm: {_show(x)}; expected None (no clipping) or a finite "
                          "number > 0")
 
 
@@ -125,11 +132,11 @@ def validate_lamb_group(g: dict[str, Any]) -> None:
         raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2)")
     for i, b in enumerate(betas, start=1):
         if not is_real(b) or not (0.0 <= b < 1.0):
-            raise ValueError(f"Invalid beta{i}: {b!r}; expected 0 <= beta{i} < 1")
+            raise ValueError(f"Invalid beta{i}: {_show(b)}; expected 0 <= beta{i} < 1")
     eps = g["eps"]
     if not is_real(eps) or not (eps > 0.0) or not _finite(eps):
         # u = m / (sqrt(v) + eps) is 0/0 for an element whose gradient has been 0 at every step
-        raise ValueError(f"Invalid eps: {eps!r}; expected a finite number > 0 (LAMB divides by "
+        raise ValueError(f"Invalid eps: {_show(eps)}; expected a finite number > 0 (LAMB divides by "
                          "sqrt(v) + eps, which is 0 where all gradients so far were 0)")
     _check_nonneg("weight_decay", g["weight_decay"])
     for name in ("bias_correction", "grad_averaging", "decoupled_weight_decay", "adapt"):
@@ -157,15 +164,15 @@ def validate_lars_group(g: dict[str, Any]) -> None:
     _check_nonneg("eps", g["eps"])
     tc = g["trust_coefficient"]
     if not is_real(tc) or not (tc > 0.0) or not _finite(tc):
-        raise ValueError(f"Invalid trust_coefficient: {tc!r}; expected a finite number > 0")
+        raise ValueError(f"Invalid trust_coefficient: {_show(tc)}; expected a finite number > 0")
     damp = g["dampening"]
     if not is_real(damp) or not (0.0 <= damp <= 1.0):
-        raise ValueError(f"Invalid dampening: {damp!r}; expected 0 <= dampening <= 1")
+        raise ValueError(f"Invalid dampening: {_show(damp)}; expected 0 <= dampening <= 1")
     for name in ("nesterov", "trust_clip", "lr_in_momentum", "adapt"):
         _check_bool(name, g[name])
     if g["nesterov"] and (g["momentum"] <= 0 or damp != 0):
         raise ValueError(
-            f"Invalid nesterov=True with momentum={g['momentum']!r}, dampening={damp!r}; "
+            f"Invalid nesterov=True with momentum={g['momentum']!r}, dampening={_show(damp)}; "
             "Nesterov momentum requires momentum > 0 and dampening = 0"
         )
     if g["denominator"] not in DENOMINATORS:
@@ -189,7 +196,7 @@ def check_representable(h: "LambHyper | LarsHyper", dtype: torch.dtype) -> None:
         values += [("trust_coefficient", h.trust_coefficient), ("momentum", h.momentum)]
     for name, x in values:
         if not isinstance(x, torch.Tensor) and x is not None and x > info.max:
-            raise ValueError(f"Invalid {name}: {x!r} overflows {dtype} (max {info.max:.4g}), the "
+            raise ValueError(f"Invalid {name}: {_show(x)} overflows {dtype} (max {info.max:.4g}), the "
                              "dtype this step computes in")
     if isinstance(h, LambHyper) and h.eps < info.tiny:
         raise ValueError(f"Invalid eps: {h.eps!r} is below the smallest normal {dtype} "

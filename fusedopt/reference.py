@@ -30,8 +30,14 @@ def _ratio(num: float, den: float) -> float:
 
 
 def _clip_divisor(groups, grads) -> list[float]:
+    """``c = max(1, G / max_grad_norm)`` per group; NaN when G is (Python's ``max(1.0, nan)``
+    would give 1: Note [NaN propagation])."""
     total = math.sqrt(sum(_norm(g) ** 2 for gs in grads for g in gs))
-    return [1.0 if h["max_grad_norm"] is None else max(1.0, total / h["max_grad_norm"]) for h in groups]
+    out = []
+    for h in groups:
+        r = 1.0 if h["max_grad_norm"] is None else total / h["max_grad_norm"]
+        out.append(1.0 if r <= 1.0 else r)
+    return out
 
 
 class _Reference:

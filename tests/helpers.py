@@ -143,7 +143,7 @@ def backend_params(names=("eager", "cpp", "triton")):
     return out
 
 
-NAN_RULE_CASES = ("lamb_bounds", "lars_clip")
+NAN_RULE_CASES = ("lamb_bounds", "lars_clip", "lamb_inf_weight", "lars_inf_weight")
 
 
 def nan_rule_inputs(case):
@@ -154,6 +154,9 @@ def nan_rule_inputs(case):
     if case == "lamb_bounds":
         w[0][5] = 1e30
         return "lamb", w, g, dict(trust_ratio_bounds=(0.5, 2.0), weight_decay=0.1)
+    if case.endswith("inf_weight"):  # λ = 0: λ·w is 0·inf, NaN (u, and g + λw, hold it)
+        w[0][5] = float("inf")
+        return case[:4], w, g, dict(weight_decay=0.0)
     g[0][5] = float("nan")
     return "lars", w, g, dict(trust_clip=True, trust_coefficient=1.0, weight_decay=1e-3)
 
@@ -167,7 +170,10 @@ def nan_rule_runs(backend, device="cpu"):
       ``φ = inf/inf`` is NaN, which ``trust_ratio_bounds`` keeps (a NaN-dropping clamp gives the
       lower bound and leaves every other element finite);
     * ``lars_clip``: a NaN gradient element makes ``‖g‖`` NaN, so the ratio is NaN, which
-      ``trust_clip`` keeps (a zero-norm test ``‖g‖ > 0`` would give 1 and a single NaN element).
+      ``trust_clip`` keeps (a zero-norm test ``‖g‖ > 0`` would give 1 and a single NaN element);
+    * ``lamb_inf_weight``, ``lars_inf_weight``: an inf weight with ``weight_decay=0``: the math's
+      ``λ·w`` is ``0·inf``, NaN, also for λ = 0 (LAMB's u, LARS's denominator), so the ratio is
+      NaN (a backend that leaves the term out when λ is 0 gives ±inf and NaN elements).
     """
     out = {}
     for case in NAN_RULE_CASES:

@@ -40,21 +40,117 @@ def test_functional_equals_the_class_bit_for_bit(kind, backend):
     assert all(float(s) == 3 for s in steps)
 
 
-def test_functional_rejects_bad_input_with_nothing_changed():
+def _args(kind):
+    """Fresh arguments of functional.lamb / lars: (positional lists, keywords)."""
     ps = _params()
     steps = [torch.zeros(()) for _ in ps]
-    m = [torch.zeros_like(p) for p in ps]
-    before = [p.detach().clone() for p in ps]
+    state = [[torch.zeros_like(p) for p in ps] for _ in range(2 if kind == "lamb" else 1)]
+    return [ps, [p.grad for p in ps], *state, steps], dict(lr=0.01)
+
+
+def _overlapping_params(a, kw):
+    """params 0 and 1 made views of one tensor that share elements 5 to 9."""
+    base = torch.zeros(20)
+    a[0][0], a[0][1] = base[:10], base[5:15]
+    a[1][0], a[1][1] = torch.ones(10), torch.ones(10)
+    for lst in a[2:-1]:
+        lst[0], lst[1] = torch.zeros(10), torch.zeros(10)
+
+
+def _overlapping_moments(a, kw):
+    """The first state list's entries 1 and 2 made views of one tensor that share elements."""
+    base = torch.zeros(20)
+    a[2][1], a[2][2] = base[:7], base[4:12].view(2, 2, 2)
+
+
+def _param_twice(a, kw):
+    a[0][2], a[1][2] = a[0][0], a[1][0]
+    for lst in a[2:-1]:
+        lst[2] = torch.zeros(5, 3)
+
+
+# (name, edit(args, kw), exception, message): every row is refused before anything is written
+BAD_INPUT = [
+    ("short_state", lambda a, kw: a.__setitem__(2, a[2][:2]), ValueError,
+     r"has 3 params but 2 (exp_avgs|momentum_buffers)"),
+    ("none_grad", lambda a, kw: a[1].__setitem__(1, None), TypeError,
+     r"grads\[1\] is None \(a param without a gradient\?\), not a tensor"),
+    ("not_a_tensor", lambda a, kw: a[2].__setitem__(0, [0.0]), TypeError,
+     r"param 0 of those with grads: state '(exp_avg|momentum_buffer)' is list"),
+    ("shared_step", lambda a, kw: a[-1].__setitem__(1, a[-1][0]), ValueError,
+     r"holds the same tensor twice \(steps\[0\] and steps\[1\]"),
+    ("overlapping_moments", _overlapping_moments, ValueError,
+     r"(exp_avgs|momentum_buffers)\[1\] and (exp_avgs|momentum_buffers)\[2\] overlap in memory"),
+    ("param_twice", _param_twice, ValueError,
+     r"holds the same param twice \(params\[0\] and params\[2\]"),
+    ("overlapping_params", _overlapping_params, ValueError,
+     r"params\[0\] and params\[1\] overlap in memory"),
+    ("moment_is_the_param", lambda a, kw: a[2].__setitem__(0, a[0][0].detach()), ValueError,
+     r"params\[0\] and (exp_avgs|momentum_buffers)\[0\]|(exp_avgs|momentum_buffers)\[0\] "
+     r"and params\[0\]"),
+    ("grad_scale_shape", lambda a, kw: kw.update(grad_scale=torch.ones(3)), ValueError,
+     r"grad_scale must be a floating tensor of one element, got torch.float32 of shape \[3\]"),
+    ("grad_scale_number", lambda a, kw: kw.update(grad_scale=2.0), TypeError,
+     r"grad_scale must be a tensor of one element or None, got float"),
+    ("found_inf_shape", lambda a, kw: kw.update(found_inf=torch.zeros(2)), ValueError,
+     r"found_inf must be a floating tensor of one element"),
+    ("found_inf_int", lambda a, kw: kw.update(found_inf=torch.zeros((), dtype=torch.int32)),
+     ValueError, r"found_inf must be a floating tensor of one element, got torch.int32"),
+    ("skipped_steps_number", lambda a, kw: kw.update(skip_nonfinite=True, skipped_steps=0),
+     TypeError, r"skipped_steps must be a tensor"),
+    ("step_int64", lambda a, kw: a[-1].__setitem__(0, torch.zeros((), dtype=torch.int64)),
+     RuntimeError, r"state 'step' must be a 0-dim float32 tensor on cpu, got torch.int64"),
+    ("grad_shape", lambda a, kw: a[1].__setitem__(1, torch.zeros(8)), RuntimeError,
+     r"has a grad of shape \(8,\) for a param of shape \(7,\)"),
+    ("masters_length", lambda a, kw: kw.update(masters=[None]), ValueError,
+     r"has 3 params but 1 masters"),
+    ("lr_too_large", lambda a, kw: kw.update(lr=10 ** 400), ValueError,
+     r"Invalid lr: an int of 401 digits"),
+    ("lr_nan_tensor", lambda a, kw: kw.update(lr=torch.tensor(float("nan"))), ValueError,
+     r"Invalid lr: a tensor lr holds nan"),
+]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in BAD_INPUT])
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp", "triton")))
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_functional_refuses_bad_input_with_nothing_changed(kind, backend, case):
+    """The functional API checks what the classes check, before any write, on every backend: a
+    table of bad inputs, each refused with an exception naming the problem, every tensor given
+    unchanged."""
+    _, edit, exc, match = next(c for c in BAD_INPUT if c[0] == case)
+    args, kw = _args(kind)
+    edit(args, kw)
+    before = [t.clone() for lst in args for t in lst if isinstance(t, torch.Tensor)]
+    fn = functional.lamb if kind == "lamb" else functional.lars
+    with pytest.raises(exc, match=match):
+        fn(*args, backend=backend, **kw)
+    after = [t for lst in args for t in lst if isinstance(t, torch.Tensor)]
+    assert all(map(torch.equal, before, after))
+
+
+def test_functional_rejects_bad_options_and_keywords():
+    args, _ = _args("lamb")
     with pytest.raises(ValueError, match="Invalid lr"):
-        functional.lamb(ps, [p.grad for p in ps], m, m, steps, lr=-1.0)
-    with pytest.raises(ValueError, match=r"functional.lamb\(\) has 3 params but 2 exp_avgs"):
-        functional.lamb(ps, [p.grad for p in ps], m[:2], m, steps)
+        functional.lamb(*args, lr=-1.0)
+    args, _ = _args("lars")
     with pytest.raises(ValueError, match="Invalid backend"):
-        functional.lars(ps, [p.grad for p in ps], m, steps, lr=0.1, backend="bogus")
+        functional.lars(*args, lr=0.1, backend="bogus")
     with pytest.raises(TypeError, match=r"lars\(\) got unexpected keyword arguments \['grad_scal'\]"):
-        functional.lars(ps, [p.grad for p in ps], m, steps, lr=0.1, grad_scal=torch.ones(()))
-    assert all(torch.equal(p, q) for p, q in zip(ps, before))
-    assert all(float(s) == 0 for s in steps)
+        functional.lars(*args, lr=0.1, grad_scal=torch.ones(()))
+    with pytest.raises(ValueError, match="kind must be 'lamb' or 'lars'"):
+        functional.trust_ratio_step("adam", [])
+
+
+def test_trust_ratio_step_names_lists_of_other_lengths():
+    """A TensorGroup built by hand with lists of other lengths (a bare IndexError before)."""
+    ps = _params()
+    g = functional.TensorGroup(ps, [p.grad for p in ps], [torch.zeros(())],
+                               exp_avgs=[torch.zeros_like(p) for p in ps],
+                               exp_avg_sqs=[torch.zeros_like(p) for p in ps],
+                               hyper=fusedopt._hyper.lamb_hyper(fusedopt._hyper.LAMB_DEFAULTS))
+    with pytest.raises(ValueError, match="param group 0 has 3 params but 1 steps"):
+        functional.trust_ratio_step("lamb", [g])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -409,3 +409,41 @@ def test_decoupled_decay_factor_in_the_compute_dtype(backend):
             opt.step()
         results.append(p.detach().clone())
     torch.testing.assert_close(results[0], results[1], rtol=1e-14, atol=0)
+
+
+# ------------------------------------------------------- values refused where they are given
+@pytest.mark.parametrize("kind", KINDS)
+def test_odd_values_are_refused_at_construction_naming_them(kind):
+    """Values that could only fail later (or overflow the compute dtype) are refused when given:
+    ``max_grad_norm=inf`` (None means no clipping), a LARS momentum that float32 math cannot hold,
+    an int lr too large for a float."""
+    p = torch.nn.Parameter(torch.randn(3))
+    cls, lr = CLS[kind], 0.1
+    with pytest.raises(ValueError, match=r"Invalid max_grad_norm: inf; expected None \(no "
+                                         r"clipping\) or a finite number > 0"):
+        cls([p], lr=lr, max_grad_norm=math.inf)
+    with pytest.raises(ValueError, match=r"Invalid lr: an int of 401 digits"):
+        cls([p], lr=10 ** 400)
+    if kind == "lars":
+        with pytest.raises(ValueError, match=r"Invalid momentum: 1e\+39 overflows torch.float32"):
+            cls([p], lr=lr, momentum=1e39)
+        cls([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))], lr=lr, momentum=1e39)
+    opt = cls([p], lr=lr)
+    with pytest.raises(ValueError, match=r"Invalid lr: an int of 401 digits"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "lr": 10 ** 400})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_overlapping_param_views_are_refused(kind, backend):
+    """Two params that are views of one tensor sharing elements: refused at the first step,
+    before any state is made (a step would write the shared elements twice)."""
+    base = torch.zeros(20, requires_grad=True)
+    a, b = base.detach()[:10], base.detach()[5:15]
+    for p in (a, b):
+        p.grad = torch.ones(10)
+    opt = CLS[kind]([a, b], lr=0.1, backend=backend)
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] \(of those with grads\)|"
+                                         r"params\[0\] and params\[1\] overlap in memory"):
+        opt.step()
+    assert not opt.state and torch.equal(base, torch.zeros(20))
