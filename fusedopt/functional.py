@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import is_
+from operator import attrgetter, is_, methodcaller
 from typing import Protocol, Sequence, TypedDict, Unpack
 
 import torch
@@ -295,20 +295,27 @@ def _check_hyper(kind: str, gi: int, h, entries) -> None:
 def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound: list) -> list:
     """The group's ``[backend, bucket]`` pairs, bound for the step (each appended to ``bound`` as
     soon as it is, so that the step ends it whatever happens next); raises before anything is
-    modified. A group that was one bucket at its last check is bound without the Python checks
-    when its backend's handle finds the lists unchanged (Note [step cache])."""
+    modified. Note [kept buckets]: a group that was one bucket when last checked is not checked
+    in Python again while it is what was checked: its backend's native handle says so (the cpp
+    backend's kept layout looks at every tensor in C++), or else its lists are the very list
+    objects that were checked (the optimizer's list cache, Note [list cache] in
+    fusedopt/optim.py, hands the same ones while nothing changed) and the grads and the params'
+    dtypes and shapes are as they were (C-level passes over the lists)."""
     requested = getattr(g.backend, "name", g.backend)
-    compiling = torch.compiler.is_compiling()
-    if cache is not None and not compiling:
+    if cache is not None and not torch.compiler.is_compiling():
         hit = cache.single.get(gi)
         if (hit is not None and hit[2] == requested
                 and (g.masters is None or not any(map(is_, g.masters, repeat(None))))):
-            b = Bucket(**{f: getattr(g, f) for f in _LIST_FIELDS}, cache=cache, slot=hit[0],
+            slot, be, _, seen = hit
+            b = Bucket(**{f: getattr(g, f) for f in _LIST_FIELDS}, cache=cache, slot=slot,
                        requested_backend=requested)
-            entry = [hit[1], b]
-            if hit[1].bind(b, check=False):
-                bound.append(entry)
+            entry = [be, b]
+            bound.append(entry)
+            kept = be.bind(b, check=False)
+            if kept or (kept is None and _as_checked(b, seen)):
                 return [entry]
+            bound.pop()
+            be.end(b)
     _check_group(kind, gi, g)
     keys: dict[tuple, list[int]] = {}
     if len({t.dtype for t in g.params}) == 1 and len({t.dtype for t in g.grads}) == 1:
@@ -322,6 +329,7 @@ def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound:
             g.backend, *key)
         b = _bucket(kind, gi, g, idx)
         b.cache, b.slot, b.requested_backend = cache, slot_of(gi, key), requested
+        b.scratch["checked"] = True  # what Note [kept buckets] keeps, once the step prepared
         entry = [be, b]
         bound.append(entry)
         be.bind(b, check=True)
@@ -329,11 +337,40 @@ def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound:
     return out
 
 
+_STATIC = ("params", "steps", *_STATE_FIELDS, "masters")  # the lists a step does not replace
+_DTYPE = attrgetter("dtype")
+
+
+def _seen(b: Bucket) -> tuple:
+    """What Note [kept buckets] compares a later step's bucket with."""
+    return (tuple(getattr(b, f) for f in _STATIC), b.grad_dtype, b.param_dtype,
+            list(map(_NUMEL, b.params)))
+
+
+def _as_checked(b: Bucket, seen: tuple) -> bool:
+    """Note [kept buckets]: ``b`` holds the lists that were checked (``seen``), its params are
+    contiguous and have the dtype and sizes they had (``p.data`` may be replaced), and its grads
+    are contiguous strided tensors of the checked dtype on its device, of their params' sizes:
+    what the kernels, which walk each tensor as a flat array, need. (A ``torch.Size`` per tensor
+    would cost ten times a size.)"""
+    lists, grad_dtype, param_dtype, numels = seen
+    ps, gs = b.params, b.grads
+    return (all(map(is_, (getattr(b, f) for f in _STATIC), lists))
+            and set(map(_DTYPE, ps)) == {param_dtype} and all(map(_CONTIGUOUS, ps))
+            and set(map(_DTYPE, gs)) == {grad_dtype} and all(map(_CONTIGUOUS, gs))
+            and set(map(_LAYOUT, gs)) == {torch.strided} and set(map(_DEVICE, gs)) == {b.device}
+            and list(map(_NUMEL, ps)) == numels == list(map(_NUMEL, gs)))
+
+
+_CONTIGUOUS, _NUMEL = methodcaller("is_contiguous"), methodcaller("numel")
+_LAYOUT, _DEVICE = attrgetter("layout"), attrgetter("device")
+
+
 def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
     """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
     step) for any row whose tensors do not share one dense layout."""
-    def pick(xs):
-        return None if xs is None else [xs[i] for i in idx]
+    def pick(xs):  # the group's own list when the bucket is the whole group (Note [kept buckets])
+        return None if xs is None else xs if len(idx) == len(g.params) else [xs[i] for i in idx]
 
     lists = {f: pick(getattr(g, f)) for f in _LIST_FIELDS}
     masters = lists["masters"]  # None entries: params without masters
@@ -350,6 +387,11 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
                                                  b.masters) if xs is not None]
     if all(x.is_contiguous() for xs in rows for x in xs):
         return b
+    rows = [list(xs) for xs in rows]  # stand-ins go into copies, never into the caller's lists
+    b.params, b.grads = rows[:2]
+    for name, xs in zip([f for f in ("exp_avgs", "exp_avg_sqs", "momentum_buffers", "masters")
+                         if getattr(b, f) is not None], rows[2:]):
+        setattr(b, name, xs)
     for i, p in enumerate(b.params):
         if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in rows):
             continue
@@ -422,11 +464,11 @@ def trust_ratio_step(
         _prepare(kind, plan, grad_scale is not None, found_inf is not None or skip_nonfinite)
         if cache is not None and not torch.compiler.is_compiling():
             for gi, (_, entries) in zip(gis, plan):
-                if len(entries) == 1 and not entries[0][1].writeback:
-                    be, b = entries[0]
-                    cache.single[gi] = (b.slot, be, b.requested_backend)
-                else:
+                if len(entries) != 1 or entries[0][1].writeback:
                     cache.single.pop(gi, None)
+                elif entries[0][1].scratch.get("checked"):
+                    be, b = entries[0]
+                    cache.single[gi] = (b.slot, be, b.requested_backend, _seen(b))
         _run(kind, plan, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps)
     finally:
         for be, b in bound:

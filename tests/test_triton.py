@@ -226,6 +226,26 @@ def test_no_table_is_built_after_the_first_step(kind):
     assert tables.build_count() == before + 2
 
 
+def test_a_compiled_step_builds_its_tables_once():
+    """The same with ``torch.compile(opt.step)``: the operators find each bucket's tables in the
+    optimizer's step cache (Note [triton operators]), so 40 groups with clipping build their
+    tables at the first compiled step only (before, the operators' own cache of 64 entries
+    held 32 groups' tables and rebuilt all of them at every step)."""
+    params, opt = _groups_opt("lamb", 40, max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    torch._dynamo.reset()
+    step = torch.compile(opt.step)
+    step()
+    before = tables.build_count()
+    for _ in range(2):
+        for p in params:
+            p.grad.normal_()
+        step()
+    assert tables.build_count() == before
+    assert all(float(opt.state[p]["step"]) == 3 for p in params)
+
+
 def test_table_upload_never_blocks_the_host(monkeypatch):
     """A table goes to a CUDA device from pinned memory with a non-blocking copy (mocked here:
     the copy is the only CUDA call of a build)."""

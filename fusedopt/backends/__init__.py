@@ -6,7 +6,8 @@ A backend runs the passes of a trust-ratio step for one :class:`~fusedopt.functi
 
 * ``bind(b, check)`` once the bucket is made: take the step's lists (a native handle may hold
   them); with ``check=False`` it answers whether they are the tensors a kept handle checked
-  (the step then skips the Python checks), with ``check=True`` after the Python checks;
+  (True: the step skips the Python checks; None: the backend keeps no handle), with
+  ``check=True`` after the Python checks;
 * ``prepare(b, kind, ...)``: make ready (compile) what the passes will launch, nothing written;
 * ``grad_sq_norms(b)``: the grads' per-tensor ``Σg²`` (global clipping, ``skip_nonfinite``);
 * ``pass1(kind, b, h, hyper, grad_mult, found_inf)``: increment the step counts (unless
@@ -49,12 +50,13 @@ class Backend:
         """None if this backend can run on these tensors, else why not (device, dtype, missing piece)."""
         raise NotImplementedError
 
-    def bind(self, b: Bucket, check: bool) -> bool:
+    def bind(self, b: Bucket, check: bool) -> bool | None:
         """Take ``b``'s lists for this step. ``check=False``: True when they are what a handle kept
-        in ``b.cache`` checked (the engine then skips its own checks), False otherwise (nothing
-        taken). ``check=True``: the engine has checked them; the return value is not used.
-        Backends without native handles keep this."""
-        return False
+        in ``b.cache`` checked (the engine then skips its own checks), False when they are not
+        (nothing taken), None when the backend keeps no checked lists (the engine decides, Note
+        [kept buckets] in fusedopt/functional.py). ``check=True``: the engine has checked them;
+        the return value is not used."""
+        return None
 
     def end(self, b: Bucket) -> None:
         """Let go of what :meth:`bind` took (called once per bucket and step, also after an error)."""

@@ -63,7 +63,7 @@ class CudaBackend(CppBackend):
         return None
 
     def bind(self, b, check):
-        return False  # KeptLayout holds the CPU kernels; CUDA goes through torch.ops
+        return None  # KeptLayout holds the CPU kernels; CUDA goes through torch.ops
 
     def sq_norms(self, tensors):
         tensors = list(tensors)

@@ -207,7 +207,12 @@ def pass2_launches(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_in
     return out
 
 
-def sq_norms_launches(tensors: list[torch.Tensor], store, out: torch.Tensor) -> list:
+def sq_tables_of(tensors: list[torch.Tensor], store) -> list:
+    """The tables of per-tensor Σx² over dense tensors of one dtype (kept in ``store``)."""
+    return _k().tables.tables([tensors], store, role=f"sq_norms:{tensors[0].dtype}")
+
+
+def sq_norms_launches(tensors: list[torch.Tensor], out: torch.Tensor, tabs) -> list:
     """The ``(kernel, table, kwargs)`` of per-tensor Σx² over dense tensors of one dtype into
     ``out`` (float64 for float64 tensors, else float32)."""
     k, t = _k(), _k().tables
@@ -217,7 +222,7 @@ def sq_norms_launches(tensors: list[torch.Tensor], store, out: torch.Tensor) -> 
                   counters=table.counters, sums=out, X_DTYPE=k.dtype[dtype], CD=k.dtype[cd],
                   ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE,
                   RBLOCK=t.REDUCE_BLOCK))
-            for table in t.tables([tensors], store, role=f"sq_norms:{dtype}")]
+            for table in tabs]
 
 
 def _sums(lists: Lists) -> torch.Tensor:
@@ -244,20 +249,28 @@ def run_pass2(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_inf,
         _k().tables.launch(kernel, table, **kw)
 
 
-def run_sq_norms(tensors: list[torch.Tensor], store) -> torch.Tensor:
-    """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied)."""
+def run_sq_norms(tensors: list[torch.Tensor], store, tabs=None) -> torch.Tensor:
+    """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied);
+    ``tabs``: the tables of a bucket's grads (dense, of one dtype), found for this step."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
+    if tabs is not None:
+        out = torch.empty(len(tensors), dtype=compute_dtype(tensors[0].dtype),
+                          device=tensors[0].device)
+        for kernel, table, kw in sq_norms_launches(tensors, out, tabs):
+            _k().tables.launch(kernel, table, **kw)
+        return out
     out_dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
     out = torch.empty(len(tensors), dtype=out_dtype, device=tensors[0].device)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, x in enumerate(tensors):
         by_dtype.setdefault(x.dtype, []).append(i)
     for dtype, idx in by_dtype.items():
-        group = [tensors[i] if _dense_layout(tensors[i]) else tensors[i].contiguous() for i in idx]
+        group = [tensors[i] if _dense_layout(tensors[i]) else tensors[i].contiguous()
+                 for i in idx]
         part = out if len(by_dtype) == 1 and compute_dtype(dtype) == out_dtype else torch.empty(
             len(group), dtype=compute_dtype(dtype), device=out.device)
-        for kernel, table, kw in sq_norms_launches(group, store, part):
+        for kernel, table, kw in sq_norms_launches(group, part, sq_tables_of(group, store)):
             _k().tables.launch(kernel, table, **kw)
         if part is not out:
             out[torch.tensor(idx, device=out.device)] = part.to(out_dtype)
@@ -268,8 +281,8 @@ def run_sq_norms(tensors: list[torch.Tensor], store) -> torch.Tensor:
 _compiled: set = set()
 
 
-def compile_step(kind: str, lists: Lists, hyper, clip: bool, store,
-                 tabs=None) -> None:
+def compile_step(kind: str, lists: Lists, hyper, clip: bool, store, tabs=None,
+                 sq_tabs=None) -> None:
     """Compile every kernel a step of ``kind`` launches over ``lists`` before any runs, so that a
     compile failure changes nothing. The launches of a step are declared by the ``*_launches``
     functions; a specialization is the kernel, its constexprs, the dtypes of its tensor
@@ -282,8 +295,9 @@ def compile_step(kind: str, lists: Lists, hyper, clip: bool, store,
                 + pass2_launches(kind, lists, hyper, None, sums, None, None, tabs))
     if clip:
         grads = lists[1]
-        launches += sq_norms_launches(grads, store, torch.empty(
-            len(grads), dtype=compute_dtype(grads[0].dtype), device=grads[0].device))
+        launches += sq_norms_launches(grads, torch.empty(
+            len(grads), dtype=compute_dtype(grads[0].dtype), device=grads[0].device),
+            sq_tables_of(grads, store) if sq_tabs is None else sq_tabs)
     for kernel, table, kw in launches:
         key = (kernel, table.device.type, tuple((k, v) for k, v in kw.items() if k.isupper()),
                tuple((str(v.dtype), v.data_ptr() % 16 == 0) for v in kw.values()
@@ -324,19 +338,32 @@ class TritonBackend(Backend):
             return interpreter_reason()
         return f"Triton kernels need a CUDA device, not {device.type}"
 
-    def bind(self, b: Bucket, check: bool) -> bool:
-        """The tables of the step, found (or built) once and used by prepare and both passes."""
-        if check and not torch.compiler.is_compiling():
-            b.scratch["tables"] = tables_of(_lists(b), _store(b.workspace))
-        return False
+    @staticmethod
+    def _tables(b: Bucket):
+        """The tables of the step's passes, found (or built) once per step, at its first use
+        after the checks (prepare), and kept in ``b.scratch`` for the passes."""
+        tabs = b.scratch.get("tables")
+        if tabs is None:
+            tabs = b.scratch["tables"] = tables_of(_lists(b), _store(b.workspace))
+        return tabs
+
+    @staticmethod
+    def _sq_tables(b: Bucket):
+        """The same for the tables of the grads' norms."""
+        tabs = b.scratch.get("sq_tables")
+        if tabs is None:
+            tabs = b.scratch["sq_tables"] = sq_tables_of(b.grads, _store(b.workspace))
+        return tabs
 
     def end(self, b: Bucket) -> None:
         b.scratch.pop("tables", None)
+        b.scratch.pop("sq_tables", None)
 
     def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
                 clip: bool) -> None:
         if not torch.compiler.is_compiling():  # Note [triton operators]: pass 1's operator does
-            compile_step(kind, _lists(b), h, clip, _store(b.workspace), b.scratch.get("tables"))
+            compile_step(kind, _lists(b), h, clip, _store(b.workspace), self._tables(b),
+                         self._sq_tables(b) if clip else None)
 
     def sq_norms(self, tensors):
         return run_sq_norms(list(tensors), None)
@@ -344,7 +371,7 @@ class TritonBackend(Backend):
     def grad_sq_norms(self, b: Bucket) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.fusedopt.triton_sq_norms(b.grads, *_ids(b))
-        return run_sq_norms(b.grads, _store(b.workspace))
+        return run_sq_norms(b.grads, _store(b.workspace), self._sq_tables(b))
 
     def pass1(self, kind, b: Bucket, h, hyper, grad_mult, found_inf):
         lists = _lists(b)
@@ -353,7 +380,7 @@ class TritonBackend(Backend):
                 torch.ops.fusedopt.triton_lars_pass1
             return op(*_op_lists(lists), hyper, grad_mult, found_inf, *_ids(b))
         return run_pass1(kind, lists, h, grad_mult, found_inf, _store(b.workspace),
-                         b.scratch.get("tables"))
+                         self._tables(b))
 
     def pass2(self, kind, b: Bucket, h, hyper, sums, grad_mult, found_inf):
         lists, lr = _lists(b), (h.lr if isinstance(h.lr, torch.Tensor) else None)
@@ -364,7 +391,7 @@ class TritonBackend(Backend):
             return torch.ops.fusedopt.triton_lars_pass2(*_op_lists(lists), sums, hyper, lr,
                                                         grad_mult, found_inf, *_ids(b))
         run_pass2(kind, lists, h, lr, sums, grad_mult, found_inf, _store(b.workspace),
-                  b.scratch.get("tables"))
+                  self._tables(b))
 
 
 # ------------------------------------------------------------------------ operators

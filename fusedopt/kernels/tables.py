@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
+from operator import methodcaller
 from typing import Sequence
 
 import torch
@@ -250,8 +251,11 @@ def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, tor
     return pinned.to(device, non_blocking=True), pinned
 
 
+_DATA_PTR, _NUMEL = methodcaller("data_ptr"), methodcaller("numel")
+
+
 def _ptrs(tensors: Sequence[torch.Tensor] | None, n: int) -> tuple[int, ...]:
-    return (0,) * n if tensors is None else tuple(t.data_ptr() for t in tensors)
+    return (0,) * n if tensors is None else tuple(map(_DATA_PTR, tensors))
 
 
 def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[int, ...],
@@ -303,7 +307,7 @@ def tables(tensors: Sequence[Sequence[torch.Tensor] | None], store: TableStore |
     n = len(first)
     device = first[0].device
     columns = [_ptrs(ts, n) for ts in tensors]
-    numels = tuple(t.numel() for t in first)
+    numels = tuple(map(_NUMEL, first))
     key = (device, CHUNK_SIZE, ROWS, MAX_TENSORS_PER_LAUNCH, tuple(columns), numels)
     if store is not None:
         hit = store.entries.get(role)
