@@ -165,15 +165,21 @@ def test_compiled_step_under_grad_scaler_matches_eager(backend, kind, adam_count
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_step_skips_a_nonfinite_step(backend):
-    """skip_nonfinite inside the compiled step: a NaN gradient changes nothing and is counted."""
+def _compiled_after_a_step(backend):
+    """A model, its LAMB optimizer and ``torch.compile(opt.step)``, after one compiled step."""
     model = _model()
     opt = _fused("lamb", backend, model)
     step = torch.compile(opt.step)
     x, y = _data()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     step()
+    return model, opt, step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_step_skips_a_nonfinite_step(backend):
+    """skip_nonfinite inside the compiled step: a NaN gradient changes nothing and is counted."""
+    model, opt, step = _compiled_after_a_step(backend)
     before = [p.detach().clone() for p in model.parameters()]
     state = [v.clone() for s in opt.state.values() for v in s.values()]
     next(model.parameters()).grad[0, 0] = float("nan")
@@ -425,12 +431,7 @@ def test_compiled_step_refuses_a_bad_tensor_lr_and_changes_nothing(backend):
     """A nan or negative tensor lr that replaced the old one after compiling is refused, as by the
     uncompiled step, with nothing changed; a good one after it steps again (Note [option checks],
     Note [shared tensor lr]: the two groups start with one shared tensor lr)."""
-    model = _model()
-    opt = _fused("lamb", backend, model)
-    step = torch.compile(opt.step)
-    x, y = _data()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    step()
+    model, opt, step = _compiled_after_a_step(backend)
     step()
     for bad in (float("nan"), -1.0, float("inf")):
         opt.param_groups[1]["lr"] = torch.tensor(bad)

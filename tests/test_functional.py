@@ -219,3 +219,18 @@ def test_trust_ratio_step_takes_params_that_require_grad(backend):
     functional.trust_ratio_step("lamb", [group])
     functional.lamb([q], [g], states[1][1], states[1][2], states[1][0], lr=0.1, backend=backend)
     assert p.requires_grad and torch.equal(p.detach(), q) and not torch.equal(q, g)
+
+
+def test_functional_defaults_are_the_classes():
+    """functional.lamb / lars take every default from the one table the classes take theirs
+    from (fusedopt._hyper.LAMB_DEFAULTS / LARS_DEFAULTS)."""
+    import inspect
+
+    from fusedopt._hyper import LAMB_DEFAULTS, LARS_DEFAULTS
+    for fn, cls, table in ((functional.lamb, fusedopt.FusedLAMB, LAMB_DEFAULTS),
+                           (functional.lars, fusedopt.FusedLARS, LARS_DEFAULTS)):
+        f_params = inspect.signature(fn).parameters
+        c_params = inspect.signature(cls).parameters
+        for name, value in table.items():
+            assert f_params[name].default == value == c_params[name].default, (fn, name)
+        assert (f_params["lr"].default is inspect.Parameter.empty) == (cls is fusedopt.FusedLARS)

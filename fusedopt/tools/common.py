@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import re
+import sys
 import tempfile
 from typing import Any, Iterator, Mapping
 
@@ -253,3 +254,15 @@ def md_table(head: list[str], rows: list[list[str]], left: set[int]) -> str:
     sep = "|" + "|".join(("-" * (w + 2)) if i in left else ("-" * (w + 1) + ":")
                          for i, w in enumerate(widths)) + "|"
     return "\n".join([line(head), sep, *map(line, rows)])
+
+
+def cli_main(prog: str, parser, run, argv: list[str] | None) -> int:
+    """A tool's ``main``: parse ``argv``, run, and print a :class:`DemoError` as
+    ``PROG: error: MESSAGE`` with exit status 2."""
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except DemoError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -40,6 +40,7 @@ import torch
 from ..schedules import DECAYS
 from . import digits
 from .common import (MAX_EPOCHS, PROBE_WINDOWS, SEED, Check, Choice, DemoError, Number, Text,
+                     cli_main,
                      check_option, make_out_dir, md_table, parse_device, parse_overrides,
                      threads_check, torch_threads)
 from .digits import (accuracy, exact_noise_scale, load_data, make_model, make_optimizer,
@@ -465,13 +466,7 @@ def _run(args: argparse.Namespace, *, device: torch.device, recipes: dict[str, d
 def main(argv: list[str] | None = None) -> int:
     """``python -m fusedopt demo`` (``fusedopt demo sweep`` is routed to
     :mod:`fusedopt.tools.sweep` by ``fusedopt.__main__``)."""
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except DemoError as e:
-        print(f"fusedopt demo: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main("fusedopt demo", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

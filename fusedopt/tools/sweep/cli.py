@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..common import DemoError, check_option, make_out_dir, threads_check, torch_threads
+from ..common import (DemoError, check_option, cli_main, make_out_dir, threads_check,
+                      torch_threads)
 from ..digits import load_data
 from . import training
 from .config import OPTIMIZERS, QUICK, SWEEP, check_for_data, make_config
@@ -164,13 +165,7 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m fusedopt demo sweep``; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except DemoError as e:
-        print(f"fusedopt demo sweep: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main("fusedopt demo sweep", build_parser(), run, argv)
 
 
 if __name__ == "__main__":
