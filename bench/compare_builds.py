@@ -22,6 +22,7 @@ CASES = {
     "bert-base LARS": ("lars", "bert", False),
     "4000 x 2,500 LAMB": ("lamb", "small", False),
     "4000 x 2,500 LAMB, flattened": ("lamb", "small", True),
+    "4000 x 64 LAMB": ("lamb", "tiny", False),
 }
 
 CHILD = r'''
@@ -47,7 +48,8 @@ def timed(fn, n):
 
 
 for name, (kind, shapes_name, flat) in cases.items():
-    shapes = bert_base_shapes() if shapes_name == "bert" else [(2500,)] * 4000
+    shapes = {"bert": bert_base_shapes, "small": lambda: [(2500,)] * 4000,
+              "tiny": lambda: [(64,)] * 4000}[shapes_name]()
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3

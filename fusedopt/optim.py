@@ -100,6 +100,8 @@ class _TrustRatioOptimizer(Optimizer):
 
     _kind: str
     _state_keys: tuple[str, ...]
+    _validate_group: Callable[[dict[str, Any]], None]  # raises ValueError naming the option
+    _hyper: Callable[[dict[str, Any]], Any]  # the group's LambHyper / LarsHyper
 
     _step_supports_amp_scaling = True
 
@@ -127,12 +129,6 @@ class _TrustRatioOptimizer(Optimizer):
         self._cache = StepCache()  # Note [step cache]
 
     # ---------------------------------------------------------------- groups
-    def _validate_group(self, group: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def _hyper(self, group: dict[str, Any]):
-        raise NotImplementedError
-
     def _check_options(self, group: dict[str, Any]) -> None:
         """Every option of a param group (ValueError naming the first invalid one)."""
         self._validate_group(group)
@@ -648,6 +644,8 @@ class FusedLAMB(_TrustRatioOptimizer):
 
     _kind = "lamb"
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _validate_group = staticmethod(validate_lamb_group)
+    _hyper = staticmethod(lamb_hyper)
 
     def __init__(
         self,
@@ -677,12 +675,6 @@ class FusedLAMB(_TrustRatioOptimizer):
         )
         super().__init__(params, defaults, skip_nonfinite)
 
-    def _validate_group(self, group):
-        validate_lamb_group(group)
-
-    def _hyper(self, group):
-        return lamb_hyper(group)
-
 
 class FusedLARS(_TrustRatioOptimizer):
     r"""LARS (You, Gitman, Ginsburg 2017) in the form of Paddle's ``lars_momentum``, as docs/math.md.
@@ -705,6 +697,8 @@ class FusedLARS(_TrustRatioOptimizer):
 
     _kind = "lars"
     _state_keys = ("momentum_buffer",)
+    _validate_group = staticmethod(validate_lars_group)
+    _hyper = staticmethod(lars_hyper)
 
     def __init__(
         self,
@@ -735,9 +729,3 @@ class FusedLARS(_TrustRatioOptimizer):
             backend=backend, master_weights=master_weights, capturable=capturable,
         )
         super().__init__(params, defaults, skip_nonfinite)
-
-    def _validate_group(self, group):
-        validate_lars_group(group)
-
-    def _hyper(self, group):
-        return lars_hyper(group)

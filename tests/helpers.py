@@ -1,146 +1,54 @@
-"""Shared test harness: run a backend for several steps and compare with the float64 reference."""
+"""What only the tests need: pytest params of the backends, the NaN-rule cases and the hypothesis
+strategies. The cases, tolerances and run-and-compare machinery that the tests share with
+``python -m fusedopt check`` are in fusedopt.testing; the names some test files import from here
+are re-exported below."""
 from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
 
-import fusedopt
-from fusedopt.reference import ReferenceLAMB, ReferenceLARS
+from fusedopt.testing import LR, OPTIMIZERS, REFERENCES, REL_TOL, max_rel_err
 
-# Shapes that break kernels: 0-size, 1 element, odd sizes, several dims.
-SHAPES_SMALL = [(3, 5), (7,), (0,), (1,), (4097,), (2, 3, 4)]
-# ...plus an odd size and tensors spanning several of the C++ backend's 32768-element chunks
-# (kChunk in csrc/cpu/multi_tensor.h): 70001 elements span three.
-SHAPES_ZOO = SHAPES_SMALL + [(18011,), (70001,), (256, 300)]
+# Re-exported under the names tests/test_cpp.py and tests/test_triton.py import from here.
+from fusedopt.testing import (  # noqa: F401, E402
+    SHAPES_SMALL,
+    SHAPES_ZOO,
+    assert_within_rounding,
+    make_tensors,
+    option_cases,
+    run_backend,
+)
 
-# One entry per flag of docs/math.md (and a few combinations); ids are readable in pytest output.
-LAMB_CASES = {
-    "default": {},
-    "no_wd": dict(weight_decay=0.0),
-    "no_bias_correction": dict(bias_correction=False),
-    "no_grad_averaging": dict(grad_averaging=False),
-    "clip": dict(max_grad_norm=0.5),
-    "bounds": dict(trust_ratio_bounds=(0.8, 1.2)),
-    "decoupled": dict(decoupled_weight_decay=True, weight_decay=0.1),
-    "no_adapt": dict(adapt=False),
-    "eps_tiny": dict(eps=1e-30),  # the smallest eps class (eps=0 is refused: 0/0 at g=0)
-}
-LARS_CASES = {
-    "default": dict(weight_decay=1e-4),
-    "no_wd": {},
-    "combined": dict(denominator="combined", weight_decay=1e-2),
-    "nesterov": dict(nesterov=True, weight_decay=1e-4),
-    "trust_clip": dict(trust_clip=True, trust_coefficient=1.0, weight_decay=1e-4),
-    "torch_sgd_form": dict(lr_in_momentum=False, weight_decay=1e-4),
-    "torch_sgd_dampening": dict(lr_in_momentum=False, dampening=0.3, weight_decay=1e-4),
-    "torch_sgd_nesterov": dict(lr_in_momentum=False, nesterov=True, weight_decay=1e-4),
-    "clip": dict(max_grad_norm=0.5, weight_decay=1e-4),
-    "no_momentum": dict(momentum=0.0, weight_decay=1e-4),
-    "no_adapt": dict(adapt=False, weight_decay=1e-4),
-}
-LR = {"lamb": 1e-2, "lars": 0.5}
-
-
-def make_tensors(shapes, dtype, seed, *, zero_weight=None, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, s in enumerate(shapes):
-        t = torch.randn(s, generator=g, dtype=torch.float64)
-        if zero_weight is not None and i == zero_weight:
-            t.zero_()
-        out.append(t.to(device=device, dtype=dtype))
-    return out
-
-
-def run_backend(kind, backend, shapes, hyper, *, dtype=torch.float32, grad_dtype=None, steps=5,
-                seed=0, zero_weight=None, zero_grad=None, excluded=(), master_weights=None,
-                device="cpu", lr=None):
-    """Run ``steps`` steps of ``backend``; returns (params, float64 reference weights, optimizer).
-
-    ``excluded``: indices of params placed in a second group with weight_decay=0, adapt=False.
-    ``zero_grad``: index of a param whose gradient is always 0.
-    """
-    grad_dtype = grad_dtype or dtype
-    lr = LR[kind] if lr is None else lr
-    init = make_tensors(shapes, torch.float64, seed, zero_weight=zero_weight)
-    params = [torch.nn.Parameter(t.to(device=device, dtype=dtype)) for t in init]
-    if grad_dtype != dtype and hasattr(params[0], "grad_dtype"):
-        for p in params:  # torch >= 2.10 checks grad dtypes unless told otherwise
-            p.grad_dtype = grad_dtype
-    # the reference starts from the stored (rounded) values
-    ref_w = [p.detach().to("cpu", torch.float64).clone() for p in params]
-    main = [i for i in range(len(shapes)) if i not in excluded]
-    groups_idx = [main] + ([list(excluded)] if excluded else [])
-    opt_groups, ref_groups = [], []
-    for gi, idx in enumerate(groups_idx):
-        extra = {} if gi == 0 else dict(weight_decay=0.0, adapt=False)
-        opt_groups.append({"params": [params[i] for i in idx], **extra})
-        ref_groups.append({**hyper, "lr": lr, **extra})
-    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
-    opt = cls(opt_groups, lr=lr, backend=backend, master_weights=master_weights, **hyper)
-    ref = (ReferenceLAMB if kind == "lamb" else ReferenceLARS)(ref_groups)
-    gen = torch.Generator().manual_seed(seed + 1)
-    for _ in range(steps):
-        grads = []
-        for i, s in enumerate(shapes):
-            gr = torch.randn(s, generator=gen, dtype=torch.float64)
-            if zero_grad is not None and i == zero_grad:
-                gr.zero_()
-            gr = gr.to(grad_dtype)  # the reference sees the same rounded gradient
-            grads.append(gr)
-            params[i].grad = gr.to(device)
-        opt.step()
-        ref.step([[ref_w[i] for i in idx] for idx in groups_idx],
-                 [[grads[i] for i in idx] for idx in groups_idx])
-    return params, ref_w, opt
-
-
-def max_rel_err(params, ref_w) -> float:
-    """Largest per-tensor ``max|p - ref| / max|ref|`` (0-size tensors skipped)."""
-    worst = 0.0
-    for p, r in zip(params, ref_w):
-        if p.numel() == 0:
-            continue
-        p64 = p.detach().to("cpu", torch.float64)
-        scale = r.abs().max().item() or 1.0
-        worst = max(worst, (p64 - r).abs().max().item() / scale)
-    return worst
-
-
-def abs_errs(params, ref_w) -> list[torch.Tensor]:
-    return [(p.detach().to("cpu", torch.float64) - r).abs() for p, r in zip(params, ref_w)]
-
-
-def assert_within_rounding(fast, eager, ref_w, atol):
-    """flash-attention's rule: |fast - ref64| <= 2 |eager_lowprec - ref64| + atol, elementwise."""
-    for ef, ee in zip(abs_errs(fast, ref_w), abs_errs(eager, ref_w)):
-        bad = ef > 2 * ee + atol
-        assert not bad.any(), f"{int(bad.sum())} elements beyond 2x eager's error + {atol}: max {ef.max()}"
+LAMB_CASES = option_cases("lamb")  # {name: options} of fusedopt.testing.OPTION_CASES
+LARS_CASES = option_cases("lars")
 
 
 def tols(dtype):
-    return {torch.float32: 1e-5, torch.float64: 1e-11}[dtype]
+    """The ``rel`` tolerance of the math's dtype (fusedopt.testing.REL_TOL)."""
+    return REL_TOL[dtype]
 
 
-__all__ = ["SHAPES_SMALL", "SHAPES_ZOO", "LAMB_CASES", "LARS_CASES", "run_backend", "max_rel_err",
-           "assert_within_rounding", "tols", "make_tensors"]
-
-
-def backend_params(names=("eager", "cpp", "triton")):
-    """pytest params for backends, each skipped with the reason it cannot run on CPU tensors here."""
+def backend_mark(name):
+    """A skipif mark for tests of backend ``name``, with the reason it cannot run on CPU tensors
+    here (none when it can)."""
     import pytest
 
     from fusedopt import backends
 
-    out = []
-    for n in names:
-        be = backends.get_backend(n)
-        if be is None:
-            why = f"backend {n!r} is not available: {backends.load_error(n)}"
-        else:
-            why = be.unavailable_reason(torch.device("cpu"), torch.float32, torch.float32)
-        out.append(pytest.param(n, id=n, marks=pytest.mark.skipif(why is not None, reason=str(why))))
-    return out
+    be = backends.get_backend(name)
+    if be is None:
+        why = f"backend {name!r} is not available: {backends.load_error(name)}"
+    else:
+        why = be.unavailable_reason(torch.device("cpu"), torch.float32, torch.float32)
+    return pytest.mark.skipif(why is not None, reason=str(why))
+
+
+def backend_params(names=("eager", "cpp", "triton")):
+    """pytest params for backends, each skipped with the reason it cannot run on CPU tensors
+    here."""
+    import pytest
+
+    return [pytest.param(n, id=n, marks=backend_mark(n)) for n in names]
 
 
 NAN_RULE_CASES = ("lamb_bounds", "lars_clip", "lamb_inf_weight", "lars_inf_weight")
@@ -181,9 +89,8 @@ def nan_rule_runs(backend, device="cpu"):
         params = [torch.nn.Parameter(x.clone().to(device)) for x in w]
         for p, x in zip(params, g):
             p.grad = x.to(device)
-        cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
-        opt = cls(params, lr=LR[kind], backend=backend, **hyper)
-        ref = (ReferenceLAMB if kind == "lamb" else ReferenceLARS)([{**hyper, "lr": LR[kind]}])
+        opt = OPTIMIZERS[kind](params, lr=LR[kind], backend=backend, **hyper)
+        ref = REFERENCES[kind]([{**hyper, "lr": LR[kind]}])
         ref_w = [w[1].double()]
         opt.step()
         ref.step([ref_w], [[g[1].double()]])
@@ -195,7 +102,7 @@ def assert_nan_rule(runs):
     """``runs``: ``{case: (params after one step, float64 reference of the second param)}``."""
     for case, (params, ref_second) in runs.items():
         assert torch.isnan(params[0]).all(), f"{case}: a NaN trust ratio must reach every element"
-        assert max_rel_err([params[1]], [ref_second]) <= tols(torch.float32), case
+        assert max_rel_err([params[1]], [ref_second]) <= REL_TOL[torch.float32], case
 
 
 # Hyper-parameters of docs/math.md for property tests: every flag, values from small to default.

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import fusedopt
-from helpers import (LAMB_CASES, LARS_CASES, SHAPES_SMALL, assert_within_rounding, backend_params,
-                     max_rel_err, run_backend)
+from fusedopt.testing import (SHAPES_SMALL, assert_within_rounding, max_rel_err, option_cases,
+                              run_backend)
+from helpers import backend_params
 
 BACKENDS = backend_params()
 LOW = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
-CASES = {"lamb": LAMB_CASES, "lars": LARS_CASES}
+CASES = {"lamb": option_cases("lamb"), "lars": option_cases("lars")}
 
 
 def optimizer(kind, params, **kw):

@@ -14,8 +14,8 @@ import torch
 import fusedopt
 from fusedopt import backends
 from fusedopt.__main__ import main as cli_main
+from fusedopt import testing
 from fusedopt.tools import check
-from helpers import tols
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPP = "cpp" in fusedopt.available_backends()
@@ -46,7 +46,10 @@ def test_cli_quick_passes_with_eager_and_cpp_rows():
     rows = [r for r in _rows(out)]
     seen = {r[1] for r in rows}
     assert "eager" in seen and ("cpp" in seen or not CPP)
-    assert {r[2] for r in rows} == {"LAMB", "LARS"}
+    # one row per pair of fusedopt.testing's quick set, per backend
+    quick = [(c.kind.upper(), d.name, c.name) for c, d in testing.CASE_SETS["quick"].pairs]
+    for name in seen:
+        assert [(r[2], r[3], r[4]) for r in rows if r[1] == name] == quick
     assert all(r[5] == "pass" for r in rows), out
     assert "correctness: PASS" in out
 
@@ -82,8 +85,8 @@ def test_run_fails_every_row_of_a_corrupted_backend(corrupt_cpp):
                        backend_objects=corrupt_cpp)
     assert not report.ok
     by_backend = {name: [r for r in report.rows if r.backend == name] for name in ("eager", "cpp")}
-    assert by_backend["eager"] and all(r.result == "pass" for r in by_backend["eager"])
-    assert by_backend["cpp"] and all(r.result == "FAIL" for r in by_backend["cpp"]), out.getvalue()
+    assert by_backend["eager"] and all(r.status == "pass" for r in by_backend["eager"])
+    assert by_backend["cpp"] and all(r.status == "FAIL" for r in by_backend["cpp"]), out.getvalue()
     assert "correctness: FAIL" in out.getvalue()
 
 
@@ -105,7 +108,7 @@ def test_a_backend_that_raises_gives_error_rows(corrupt_cpp):
     report = check.run(["cpu"], ["cpp"], quick=True, speed=False, out=out,
                        backend_objects={"cpp": RaiseInPass1(corrupt_cpp["cpp"]._inner)})
     assert not report.ok
-    assert report.rows and all(r.result == "ERROR" for r in report.rows)
+    assert report.rows and all(r.status == "ERROR" for r in report.rows)
     assert "RuntimeError: kernel launch failed" in out.getvalue()
 
 
@@ -123,22 +126,24 @@ def test_bad_device_is_a_usage_error(capsys):
     assert "expected cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
-def test_tolerances_are_the_test_suites():
-    assert check.REL_TOL[torch.float32] == tols(torch.float32)
-    assert check.REL_TOL[torch.float64] == tols(torch.float64)
-    # tests/test_cpp.py::test_low_precision_within_rounding
-    assert check.ROUNDING_ATOL == {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
-
-
 def test_2x_eager_rule_allows_one_ulp_of_rounding_the_other_way():
     ref = [torch.tensor([1.00025], dtype=torch.float64)]
     eager = [torch.tensor([1.0], dtype=torch.float64)]  # fp16 neighbours: 1.0 and 1 + 2**-10
+    atol = testing.ROUNDING_ATOL[torch.float16]
     other_way = [torch.tensor([1.0 + 2 ** -10], dtype=torch.float64)]
-    excess, slack = check.excess_over_eager(other_way, eager, ref, torch.float16)
-    assert slack == 2 ** -10 and 0 < excess <= slack
+    excess, slack, count = testing.excess_over_eager(other_way, eager, ref, atol, torch.float16)
+    assert slack == 2 ** -10 and 0 < excess <= slack and count == 0
     two_ulps = [torch.tensor([1.0 + 2 ** -9], dtype=torch.float64)]
-    excess, slack = check.excess_over_eager(two_ulps, eager, ref, torch.float16)
-    assert excess > slack
+    excess, slack, count = testing.excess_over_eager(two_ulps, eager, ref, atol, torch.float16)
+    assert excess > slack and count == 1
+
+
+def test_a_nan_is_never_within_rounding_or_tolerance():
+    ref = [torch.tensor([1.0, 2.0], dtype=torch.float64)]
+    nan = [torch.tensor([1.0, float("nan")], dtype=torch.float64)]
+    excess, _, count = testing.excess_over_eager(nan, ref, ref, 1e-3, torch.float16)
+    assert excess == float("inf") and count == 1
+    assert testing.max_rel_err(nan, ref) == float("inf")
 
 
 def test_speed_table_columns(capsys):

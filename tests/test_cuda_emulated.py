@@ -36,10 +36,10 @@ import torch
 from build_cache import Cache, Hasher
 from fusedopt import _hyper
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
-from helpers import (
-    LAMB_CASES, LARS_CASES, LR, NAN_RULE_CASES, assert_nan_rule, assert_within_rounding,
-    make_tensors, nan_rule_inputs, run_backend,
+from fusedopt.testing import (
+    LR, REL_TOL, ROUNDING_ATOL, assert_within_rounding, make_tensors, option_cases, run_backend,
 )
+from helpers import NAN_RULE_CASES, assert_nan_rule, nan_rule_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMT = ROOT / "tests" / "simt"
@@ -64,12 +64,12 @@ pytestmark = pytest.mark.skipif(
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 LAUNCH_FAILURE, NOT_SUPPORTED = 719, 801
 FORWARD, REVERSE, RANDOM = 0, 1, 2
-# tolerances of tests/test_cpp.py (helpers.tols): max_rel_err against the float64 reference
-TOL = {torch.float32: 1e-5, torch.float64: 1e-11}
+# tolerances of fusedopt.testing: max_rel_err against the float64 reference
+TOL = REL_TOL
 # sums of squares against the exact float64 sums (test_cpp.test_sq_norms)
 SUM_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-# the within-rounding rule of test_cpp.test_low_precision_within_rounding
-LOW_ATOL = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
+# the within-rounding rule of fusedopt.testing (and test_cpp.test_low_precision_within_rounding)
+LOW_ATOL = ROUNDING_ATOL
 
 
 # --------------------------------------------------------------------------------- build
@@ -433,7 +433,7 @@ def _layout(name: str):
 class Case:
     kind: str                        # "lamb" or "lars"
     shapes: list
-    hyper: dict = field(default_factory=dict)  # docs/math.md names (helpers.LAMB_CASES / LARS_CASES)
+    hyper: dict = field(default_factory=dict)  # docs/math.md names (fusedopt.testing.OPTION_CASES)
     dtype: torch.dtype = torch.float32         # of the params
     grad_dtype: torch.dtype | None = None      # default: the params'
     masters: bool = False            # fp32 master weights beside bf16/fp16 params
@@ -491,7 +491,7 @@ def _expected_lars_sums(group, w, g):
 
 def run_case(emu: Emu, case: Case) -> Run:
     """``case.steps`` steps of pass 1 then pass 2, with the initial values and gradients of
-    helpers.run_backend (same seeds), and the float64 reference stepped beside."""
+    fusedopt.testing.run_backend (same seeds), and the float64 reference stepped beside."""
     lamb = case.kind == "lamb"
     compute = torch.float64 if case.dtype == torch.float64 else torch.float32
     grad_dtype = case.grad_dtype or case.dtype
@@ -799,11 +799,12 @@ def test_barrier_misuse_is_a_launch_failure(fresh, which, message):
 SHAPES = [(3, 5), (7,), (0,), (1,), (33,), (2, 3, 4), (4101,), (16,)]
 ZERO_WEIGHT, ZERO_GRAD = 7, 5
 
-LAMB_FLAG_CASES = {k: v for k, v in LAMB_CASES.items() if k != "clip"}
+# the option cases without max_grad_norm (the clipping divisor is grad_mult here: see below)
+LAMB_FLAG_CASES = {k: v for k, v in option_cases("lamb").items() if "max_grad_norm" not in v}
 LAMB_FLAG_CASES["bounds_clamped"] = dict(trust_ratio_bounds=(1.5, 2.0))
 LAMB_FLAG_CASES["decoupled_no_bias_correction"] = dict(decoupled_weight_decay=True,
                                                        weight_decay=0.1, bias_correction=False)
-LARS_FLAG_CASES = {k: v for k, v in LARS_CASES.items() if k != "clip"}
+LARS_FLAG_CASES = {k: v for k, v in option_cases("lars").items() if "max_grad_norm" not in v}
 LARS_FLAG_CASES["combined_trust_clip_nesterov"] = dict(denominator="combined", trust_clip=True,
                                                        trust_coefficient=1.0, nesterov=True,
                                                        weight_decay=1e-2)

@@ -16,8 +16,10 @@ import torch
 
 import fusedopt
 from fusedopt import backends
-from helpers import (LAMB_CASES, LARS_CASES, SHAPES_SMALL, assert_within_rounding, max_rel_err,
-                     run_backend, tols)
+from fusedopt.testing import (REL_TOL, SHAPES_SMALL, assert_within_rounding, max_rel_err,
+                              option_cases, run_backend)
+
+LAMB_CASES, LARS_CASES = option_cases("lamb"), option_cases("lars")
 
 
 def _skip_reason() -> str | None:
@@ -33,7 +35,7 @@ gpu = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 CHUNK = 65536  # kChunkSize of csrc/cuda/launch.h
 # SHAPES_SMALL (0-size, 1 element, odd sizes) plus a tensor of three chunks with a partial last
 # group, so that multi-chunk norms, the vectorized path and the scalar tail all run.
-SHAPES = SHAPES_SMALL + [(2 * CHUNK + 4099,)]
+SHAPES = [*SHAPES_SMALL, (2 * CHUNK + 4099,)]
 CASES = {"lamb": LAMB_CASES, "lars": LARS_CASES}
 LOW = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
@@ -75,7 +77,7 @@ def _snapshot(params, opt):
 def test_lamb_matches_reference(case, dtype):
     params, ref, _ = _cuda("lamb", LAMB_CASES[case], dtype=dtype, zero_weight=1, zero_grad=3,
                            excluded=(5,))
-    assert max_rel_err(params, ref) <= tols(dtype)
+    assert max_rel_err(params, ref) <= REL_TOL[dtype]
 
 
 @gpu
@@ -85,14 +87,14 @@ def test_lamb_matches_reference(case, dtype):
 def test_lars_matches_reference(case, dtype):
     params, ref, _ = _cuda("lars", LARS_CASES[case], dtype=dtype, zero_weight=1, zero_grad=3,
                            excluded=(5,))
-    assert max_rel_err(params, ref) <= tols(dtype)
+    assert max_rel_err(params, ref) <= REL_TOL[dtype]
 
 
 @gpu
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_low_precision_grads_with_fp32_params(kind):
     params, ref, _ = _cuda(kind, {}, grad_dtype=torch.bfloat16, steps=4)
-    assert max_rel_err(params, ref) <= tols(torch.float32)
+    assert max_rel_err(params, ref) <= REL_TOL[torch.float32]
 
 
 @gpu
@@ -100,7 +102,7 @@ def test_low_precision_grads_with_fp32_params(kind):
 def test_hundreds_of_tensors_split_over_launches(kind):
     shapes = [(1 + i % 7,) for i in range(300)] + [(18011,), (0,)]
     params, ref, _ = _cuda(kind, dict(max_grad_norm=1.0), shapes=shapes, steps=4)
-    assert max_rel_err(params, ref) <= tols(torch.float32)
+    assert max_rel_err(params, ref) <= REL_TOL[torch.float32]
 
 
 @gpu

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import SHAPES_SMALL, max_rel_err, run_backend
+from fusedopt.testing import SHAPES_SMALL, max_rel_err, run_backend
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])

@@ -3,10 +3,10 @@ Triton's interpreter; tests/test_triton.py runs the same cases on the Triton bac
 import pytest
 import torch
 
-from helpers import LR, assert_nan_rule, backend_params, nan_rule_runs
-
 import fusedopt
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
+from fusedopt.testing import LR
+from helpers import assert_nan_rule, backend_params, nan_rule_runs
 
 
 @pytest.mark.parametrize("backend", ["eager", "cpp"])

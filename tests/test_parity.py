@@ -1,22 +1,36 @@
-"""Every flag of docs/math.md, on the eager and C++ backends, against the float64 reference: fp32 (rel <= 1e-5)
-and fp64 (rel <= 1e-11), 6 steps, over the shape zoo with a zero-norm weight, a zero gradient and an
-excluded group. (Triton runs the same cases in test_triton.py with interpreter-sized tiles.)"""
+"""The eager and C++ backends against the float64 reference, over fusedopt.testing's "full" case
+set, which `python -m fusedopt check` runs too: every option case in fp32 (rel <= 1e-5) and fp64
+(rel <= 1e-11), and the default and mixed options in bf16 and fp16 with and without fp32 master
+weights and with grads of another dtype (fusedopt.testing.RULES), 5 steps over
+fusedopt.testing.SHAPES_FULL with a zero-norm weight, a zero gradient and an excluded group. (Triton runs the option
+cases in test_triton.py with interpreter-sized tiles.)"""
 import pytest
-import torch
 
-from helpers import LAMB_CASES, LARS_CASES, SHAPES_ZOO, backend_params, max_rel_err, run_backend, tols
+from fusedopt import testing
+from fusedopt.reference import LAMB_SPEC, LARS_SPEC
+from helpers import backend_params
 
 BACKENDS = backend_params(("eager", "cpp"))
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
-CASES = [pytest.param("lamb", name, id=f"lamb-{name}") for name in LAMB_CASES] + \
-        [pytest.param("lars", name, id=f"lars-{name}") for name in LARS_CASES]
+CASE_SET = testing.CASE_SETS["full"]
+PAIRS = [pytest.param(case, dtype, id=f"{case.id}-{dtype.name}") for case, dtype in CASE_SET.pairs]
+# consecutive tests share a pair (the backend varies fastest): its inputs, reference and eager run
+CACHE = testing.RunCache(maxsize=4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind,case", CASES)
-def test_matches_reference(backend, kind, case, dtype):
-    hyper = (LAMB_CASES if kind == "lamb" else LARS_CASES)[case]
-    params, ref, _ = run_backend(kind, backend, SHAPES_ZOO, hyper, dtype=dtype, steps=6,
-                                 zero_weight=1, zero_grad=3, excluded=(5,))
-    assert max_rel_err(params, ref) <= tols(dtype)
+@pytest.mark.parametrize("case,dtype", PAIRS)
+def test_matches_reference(backend, case, dtype):
+    result = testing.run_case(case, backend, "cpu", dtype, CASE_SET, cache=CACHE)
+    if result.status == "skip":
+        pytest.skip(result.detail)
+    assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("kind,spec", [("lamb", LAMB_SPEC), ("lars", LARS_SPEC)],
+                         ids=["lamb", "lars"])
+def test_every_option_is_varied_by_an_option_case(kind, spec):
+    """The option cases set every option of docs/math.md to a value other than its default (lr:
+    every case runs with testing.LR, which is not LAMB's default)."""
+    varied = {k for c in testing.OPTION_CASES if c.kind == kind for k, v in c.items if v != spec[k]}
+    assert set(spec) - {"lr"} - varied == set()
+    assert testing.LR["lamb"] != LAMB_SPEC["lr"]

@@ -5,9 +5,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fusedopt.testing import max_rel_err, run_backend
 from helpers import LAMB_HYPER_ST as lamb_hyper
 from helpers import LARS_HYPER_ST as lars_hyper
-from helpers import backend_params, max_rel_err, run_backend
+from helpers import backend_params
 
 # Triton's interpreter is too slow for many examples; its flags are covered by test_triton.py.
 BACKENDS = backend_params(("eager", "cpp"))
