@@ -38,6 +38,19 @@ _DTYPE = attrgetter("dtype")
 _MISSING = object()  # an option deleted from a param group
 
 
+def _same_dtypes(ps: list, dtypes: set) -> bool:
+    """Whether the tensors of ``ps`` have exactly the dtypes ``dtypes`` (Note [list cache]): one C
+    loop over the list where the extension is there and the set is one dtype."""
+    if len(dtypes) == 1:
+        try:
+            from ._C import same_dtype
+        except ImportError:
+            pass
+        else:
+            return same_dtype(ps, next(iter(dtypes)))
+    return set(map(_DTYPE, ps)) == dtypes
+
+
 def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
     """A contiguous tensor of ``shape`` on ``buffer``'s storage from element ``offset`` on: it
     shares the storage but, unlike a view, has a version counter of its own."""
@@ -457,17 +470,17 @@ class _TrustRatioOptimizer(Optimizer):
         # not `None in grads`: that calls Tensor.__eq__(None) on every grad, a torch dispatch each
         with_grad = (tuple(g is not None for g in grads)
                      if any(map(is_, grads, repeat(None))) else None)
-        key = (self.state.edits, with_grad, group["backend"], group["master_weights"],
-               set(map(_DTYPE, all_ps)))
+        key = (self.state.edits, with_grad, group["backend"], group["master_weights"])
         hit = self._cache.groups.get(gi)
         if (hit is not None and hit[0] == key and hit[1] is all_ps and len(hit[2]) == len(all_ps)
-                and all(map(is_, all_ps, hit[2]))):
+                and all(map(is_, all_ps, hit[2])) and _same_dtypes(all_ps, hit[4])):
             return dataclasses.replace(
                 hit[3], hyper=self._hyper(group),
                 grads=grads if with_grad is None else [x for x in grads if x is not None])
         g = self._group(group)
         if not g.sources:
-            self._cache.groups[gi] = ((self.state.edits, *key[1:]), all_ps, tuple(all_ps), g)
+            self._cache.groups[gi] = ((self.state.edits, *key[1:]), all_ps, tuple(all_ps), g,
+                                      set(map(_DTYPE, all_ps)))
         return g
 
     def _step_reducer(self, groups: list[TensorGroup]):

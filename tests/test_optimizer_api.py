@@ -499,3 +499,28 @@ def test_kept_and_fresh_steps_agree(kind):
             opt.step()
         results.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_param_whose_dtype_changed_after_steps_is_seen_by_the_kept_lists(backend):
+    """Note [list cache]: a param made bf16 in place after steps (its state has no master) is
+    refused as on a step that gathers its lists afresh, not stepped without a master."""
+    errors = []
+    for fresh in (False, True):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(8, 4)) for _ in range(3)]
+        opt = fusedopt.FusedLAMB(ps, lr=1e-2, backend=backend)
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        ps[1].data = ps[1].data.to(torch.bfloat16)
+        ps[1].grad = torch.randn_like(ps[1])
+        if fresh:
+            opt._fresh()
+        before = [p.detach().clone() for p in ps]
+        with pytest.raises(RuntimeError, match="master weights switched on") as info:
+            opt.step()
+        errors.append(str(info.value))
+        assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert errors[0] == errors[1]
