@@ -49,6 +49,9 @@ class TensorLists:
     # the params as the caller holds them when ``params`` are their local shards (DTensors kept):
     # what a cross-rank reducer reads the sharding of (fusedopt.distributed)
     sources: list[torch.Tensor] | None = None
+    # int64 CPU tensor: each param's key in the random bits of stochastic rounding (its index in
+    # its param group; docs/math.md, "Low-precision state"); None: the index in these lists
+    keys: torch.Tensor | None = None
 
 
 class StepCache:

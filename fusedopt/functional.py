@@ -32,6 +32,7 @@ from typing import Protocol, Sequence, TypedDict, Unpack
 import torch
 
 from . import backends as _backends
+from . import lowp
 from ._bucket import Bucket, StepCache, TensorLists, bias_correction, compute_dtype, slot_of
 from ._hyper import (LAMB_DEFAULTS, LARS_DEFAULTS, LambHyper, LarsHyper, check_backend_name,
                      check_representable, encode, lamb_hyper, lars_hyper, validate_lamb_group,
@@ -100,7 +101,7 @@ def _check_group(kind: str, gi: int, g: TensorGroup) -> None:
     name = _name(kind)
     n = len(g.params)
     lists = {f: getattr(g, f) for f in ("grads", "steps", *_STATE_FIELDS, "masters")}
-    for f, xs in lists.items():
+    for f, xs in (*lists.items(), ("keys", g.keys)):
         if xs is not None and len(xs) != n:
             raise ValueError(f"{name}: param group {gi} has {n} params but {len(xs)} {f}")
     for f, xs in {"params": g.params, **lists}.items():
@@ -255,13 +256,42 @@ def _check_bucket(kind: str, gi: int, b: Bucket) -> None:
                           and [x.shape for x in xs] == shapes):
             continue
         for i, x in enumerate(xs):
-            if (x.dtype, x.device, x.shape) != (cd, dev, shapes[i]):
-                raise bad(i, f"state {key!r} must be a {cd} tensor of the param's shape on "
-                             f"{dev}, got {x.dtype} of shape {tuple(x.shape)} on {x.device}")
+            if (x.dtype, x.device, x.shape) == (cd, dev, shapes[i]):
+                continue
+            problem = _state_format_problem(key, x, b.params[i], cd, dev)
+            if problem is not None:
+                raise bad(i, problem)
+    if b.exp_avgs is not None and b.exp_avg_sqs is not None:
+        for i, (m, v) in enumerate(zip(b.exp_avgs, b.exp_avg_sqs)):
+            if m.dtype != v.dtype:
+                raise bad(i, f"state 'exp_avg' ({m.dtype}) and 'exp_avg_sq' ({v.dtype}) must "
+                             "share a format (docs/math.md, \"Low-precision state\")")
     for i, p in enumerate(b.params):
         if not p.is_contiguous() and torch._debug_has_internal_overlap(p) == 1:
             raise bad(i, "its elements overlap in memory (stride 0, e.g. an expand()ed tensor): "
                          "an update cannot be written in place")
+
+
+def _state_format_problem(key: str, x: torch.Tensor, p: torch.Tensor, cd: torch.dtype,
+                          dev: torch.device) -> str | None:
+    """Why state ``x`` (not of the compute dtype ``cd`` and the param's shape) does not fit the
+    param ``p``, or None when it is a low-precision moment that fits (docs/math.md,
+    "Low-precision state"): bf16 of the param's shape, or a packed 8-bit uint8 tensor."""
+    if x.device == dev and key != "master_param" and cd == torch.float32:
+        if x.dtype == torch.bfloat16 and x.shape == p.shape:
+            return None
+        if x.dtype == torch.uint8:
+            want = lowp.packed_numel(p.numel())
+            if (x.dim() == 1 and x.numel() == want and x.is_contiguous()
+                    and (torch.compiler.is_compiling() or x.data_ptr() % 4 == 0)):
+                return None
+            return (f"state {key!r} is uint8 but not the packed 8-bit state of this param (one "
+                    f"contiguous dimension of {want} bytes from a 4-byte boundary), got shape "
+                    f"{tuple(x.shape)}")
+    low = (", bfloat16 or packed 8-bit uint8" if cd == torch.float32 and key != "master_param"
+           else "")
+    return (f"state {key!r} must be a {cd}{low} tensor of the param's shape on {dev}, got "
+            f"{x.dtype} of shape {tuple(x.shape)} on {x.device}")
 
 
 def _check_step_tensors(grad_scale, found_inf, skipped_steps) -> None:
@@ -307,8 +337,8 @@ def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound:
         if (hit is not None and hit[2] == requested
                 and (g.masters is None or not any(map(is_, g.masters, repeat(None))))):
             slot, be, _, seen = hit
-            b = Bucket(**{f: getattr(g, f) for f in _LIST_FIELDS}, cache=cache, slot=slot,
-                       requested_backend=requested)
+            b = Bucket(**{f: getattr(g, f) for f in _LIST_FIELDS}, keys=g.keys, cache=cache,
+                       slot=slot, requested_backend=requested)
             entry = [be, b]
             bound.append(entry)
             kept = be.bind(b, check=False)
@@ -328,6 +358,7 @@ def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound:
         be = g.backend if isinstance(g.backend, _backends.Backend) else _backends.resolve(
             g.backend, *key)
         b = _bucket(kind, gi, g, idx)
+        be = _for_formats(kind, gi, be, b, requested)
         b.cache, b.slot, b.requested_backend = cache, slot_of(gi, key), requested
         b.scratch["checked"] = True  # what Note [kept buckets] keeps, once the step prepared
         entry = [be, b]
@@ -335,6 +366,21 @@ def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound:
         be.bind(b, check=True)
         out.append(entry)
     return out
+
+
+def _for_formats(kind: str, gi: int, be: _backends.Backend, b: Bucket,
+                 requested: str) -> _backends.Backend:
+    """``be``, or eager where ``be`` does not implement a state format that ``b`` holds
+    (``"auto"``; a backend asked for by name raises)."""
+    states = b.exp_avgs if kind == "lamb" else b.momentum_buffers
+    missing = {lowp.format_of(x) for x in states} - set(be.state_formats)
+    if not missing:
+        return be
+    if requested == "auto":
+        return _backends.get_backend("eager")
+    raise RuntimeError(f"{_name(kind)}: param group {gi}: backend={be.name!r} does not implement "
+                       f"{' or '.join(sorted(missing))} state (state_precision); use "
+                       "backend='auto', 'cpp' or 'eager'")
 
 
 _STATIC = ("params", "steps", *_STATE_FIELDS, "masters")  # the lists a step does not replace
@@ -381,7 +427,9 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
                                "grads: state 'master_param' is None where the other params of "
                                "its dtype have master weights")
         lists["masters"] = None
-    b = Bucket(**lists)
+    whole = len(idx) == len(g.params)
+    keys = g.keys if whole or g.keys is None else g.keys[idx]
+    b = Bucket(**lists, keys=keys if whole or keys is not None else torch.tensor(idx))
     _check_bucket(kind, gi, b)
     rows = [b.params, b.grads] + [xs for xs in (b.exp_avgs, b.exp_avg_sqs, b.momentum_buffers,
                                                  b.masters) if xs is not None]
@@ -393,9 +441,11 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
                          if getattr(b, f) is not None], rows[2:]):
         setattr(b, name, xs)
     for i, p in enumerate(b.params):
-        if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in rows):
+        # a packed 8-bit state (uint8) walks its elements in the param's contiguous order
+        shaped = [xs for xs in rows if xs[i].dtype != torch.uint8]
+        if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in shaped):
             continue
-        for j, xs in enumerate(rows):
+        for j, xs in enumerate(shaped):
             stand_in = xs[i].contiguous()
             if j != 1:  # grads are only read
                 b.writeback.append((xs[i], stand_in))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Any, Callable
@@ -16,6 +17,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
 
 from . import backends as _backends
+from . import lowp
 from ._bucket import StepCache, compute_dtype
 from ._bucket import local as _local
 from ._hyper import (
@@ -34,8 +36,12 @@ from .flat import _aligned_offsets
 from .functional import TensorGroup, check_new_params, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_STATE_DTYPES = {"bf16": torch.bfloat16, "8bit": torch.uint8}  # of the low-precision formats
 _DTYPE = attrgetter("dtype")
 _MISSING = object()  # an option deleted from a param group
+# the options that say how this process runs and stores the step, not what was learned: a loaded
+# state dict does not replace them (its state is converted to the groups' state_precision)
+_OWN_OPTIONS = ("backend", "state_precision", "state_min_numel")
 
 
 def _same_dtypes(ps: list, dtypes: set) -> bool:
@@ -151,6 +157,16 @@ class _TrustRatioOptimizer(Optimizer):
         mw = group["master_weights"]
         if mw is not None and not isinstance(mw, bool):
             raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
+        sp = group["state_precision"]
+        if not isinstance(sp, str) or sp not in lowp.FORMATS:
+            raise ValueError(f"Invalid state_precision: {sp!r}; expected one of "
+                             f"{', '.join(map(repr, lowp.FORMATS))}")
+        if sp != "full" and group["backend"] in ("triton", "cuda"):
+            raise ValueError(f"Invalid state_precision: {sp!r} with backend={group['backend']!r}, "
+                             "which holds full state only; use backend='auto', 'cpp' or 'eager'")
+        mn = group["state_min_numel"]
+        if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
+            raise ValueError(f"Invalid state_min_numel: {mn!r}; expected an int >= 0")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         candidate = dict(self.defaults)
@@ -162,6 +178,10 @@ class _TrustRatioOptimizer(Optimizer):
         for dtype in {compute_dtype(_local(p).dtype) for p in params
                       if isinstance(p, torch.Tensor) and p.is_floating_point()}:
             check_representable(h, dtype)
+            if dtype == torch.float64 and candidate["state_precision"] != "full":
+                raise ValueError(f"state_precision={candidate['state_precision']!r} stores float32 "
+                                 "moments in low precision; float64 params keep full state (put "
+                                 "them in a group with state_precision='full')")
         super().add_param_group(param_group)
         _unshare_lrs(self.param_groups)
         if hasattr(self, "_cache"):
@@ -272,22 +292,44 @@ class _TrustRatioOptimizer(Optimizer):
             if hasattr(p, "to_local") or not p.is_contiguous():
                 self._init_state(group, p)
             else:
-                flat.setdefault((p.device, p.dtype), []).append(p)
-        for (device, dtype), members in flat.items():
-            cd = compute_dtype(dtype)
-            offsets, total = _aligned_offsets([p.numel() for p in members], cd)
+                flat.setdefault((p.device, p.dtype, self._state_format(group, p)), []).append(p)
+        for (device, dtype, fmt), members in flat.items():
+            numels = [p.numel() for p in members]
+            sdtype = _STATE_DTYPES.get(fmt, compute_dtype(dtype))
+            sizes = [lowp.packed_numel(n) for n in numels] if fmt == "8bit" else numels
+            offsets, total = _aligned_offsets(sizes, sdtype)
             steps = torch.zeros(len(members), dtype=torch.float32, device=device)
-            buffers = {key: torch.zeros(total, dtype=cd, device=device) for key in self._state_keys}
+            buffers = {key: torch.zeros(total, dtype=sdtype, device=device)
+                       for key in self._state_keys}
             master = self._uses_master(group, members[0])  # one dtype: the same for all
             if master:
-                buffers["master_param"] = torch.empty(total, dtype=torch.float32, device=device)
-            for i, (p, offset) in enumerate(zip(members, offsets)):
+                m_offsets, m_total = ((offsets, total) if fmt == "full"
+                                      else _aligned_offsets(numels, torch.float32))
+                masters = torch.empty(m_total, dtype=torch.float32, device=device)
+            for i, (p, offset, size) in enumerate(zip(members, offsets, sizes)):
                 state = self.state[p]
                 state["step"] = _alias(steps, i, ())
+                shape = (size,) if fmt == "8bit" else p.shape
                 for key, buffer in buffers.items():
-                    state[key] = _alias(buffer, offset, p.shape)
+                    state[key] = _alias(buffer, offset, shape)
                 if master:
+                    state["master_param"] = _alias(masters, m_offsets[i], p.shape)
                     state["master_param"].copy_(p.detach())
+
+    @staticmethod
+    def _state_format(group: dict[str, Any], p: torch.Tensor) -> str:
+        """The format of the moments of ``p`` (docs/math.md, "Low-precision state"): the group's
+        ``state_precision`` for a param of at least ``state_min_numel`` elements (counted over
+        the whole param, also when sharded), else full; a non-contiguous param gets bf16 for
+        8-bit (a packed state walks the elements in contiguous order), and so does a DTensor
+        (a packed state has no shape to shard by: torch.distributed.checkpoint could not place
+        it)."""
+        fmt = group["state_precision"]
+        if fmt == "full" or p.numel() < group["state_min_numel"]:
+            return "full"
+        if fmt == "8bit" and (hasattr(p, "to_local") or not p.is_contiguous()):
+            return "bf16"
+        return fmt
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """The state of one param without state, in tensors of its own (DTensors, non-contiguous
@@ -296,30 +338,33 @@ class _TrustRatioOptimizer(Optimizer):
         lp = _local(p)
         cd = compute_dtype(lp.dtype)
         state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
+        fmt = self._state_format(group, p)
         for key in self._state_keys:
-            state[key] = torch.zeros_like(p, dtype=cd, memory_format=torch.preserve_format)
+            state[key] = lowp.zeros(p, fmt, dtype=cd)
         if self._uses_master(group, lp):
             state["master_param"] = p.detach().to(torch.float32, copy=True)
 
     # ----------------------------------------------------------------- step
     def _init_group(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
-                    masters, sources, bases) -> tuple[bool, tuple | None, tuple | None]:
+                    masters, sources, keys, bases) -> tuple[bool, tuple | None, tuple | None]:
         """Append the group's params that have grads, and their tensors, to the lists (torch's
         ``_init_group`` shape: torch.compile runs it eagerly at trace time, with the lists as its
         outputs); create missing state. Params are the local shards of DTensors (``sources`` then
-        holds the DTensors); masters hold None for params without. Returns whether the params are
+        holds the DTensors); masters hold None for params without; ``keys`` gets the index of each
+        param in its group when some params have no grad and the state may be stochastically
+        rounded (docs/math.md, "Low-precision state"). Returns whether the params are
         sharded; with ``bases`` (a list: a traced step) the state as views of the bases it
         appends there (Note [traced flat state]), None otherwise; and the error that refuses the
         step as (type name, message), which the caller raises (under torch.compile dynamo would
         wrap an error raised here into one of its own), None if there is none."""
         try:
             return (*self._gather(group, params, grads, steps, exp_avgs, exp_avg_sqs,
-                                  momentum_buffers, masters, sources, bases), None)
+                                  momentum_buffers, masters, sources, keys, bases), None)
         except (ValueError, TypeError, RuntimeError) as e:
             return False, None, (type(e).__name__, str(e))
 
     def _gather(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
-                masters, sources, bases) -> tuple[bool, tuple | None]:
+                masters, sources, keys, bases) -> tuple[bool, tuple | None]:
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) and lr is not self._cache.lrs.get(gi):
@@ -335,6 +380,8 @@ class _TrustRatioOptimizer(Optimizer):
             if not ps:
                 return False, None
             gs = [g for g in all_grads if g is not None]
+            if group["state_precision"] != "full":
+                keys.extend(i for i, g in enumerate(all_grads) if g is not None)
         else:
             ps, gs = all_ps, all_grads
         sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
@@ -433,8 +480,8 @@ class _TrustRatioOptimizer(Optimizer):
     def _group(self, group: dict[str, Any]) -> TensorGroup:
         """The group's lists from :meth:`_init_group` as a TensorGroup; under torch.compile the
         state as views of its storages (Note [traced flat state])."""
-        params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources = lists = (
-            [], [], [], [], [], [], [], [])
+        (params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources,
+         keys) = lists = ([], [], [], [], [], [], [], [], [])
         bases = [] if torch.compiler.is_compiling() else None
         sharded, layout, error = self._init_group(group, *lists, bases)
         if error is not None:
@@ -451,7 +498,8 @@ class _TrustRatioOptimizer(Optimizer):
             exp_avgs=state[0] if lamb else None, exp_avg_sqs=state[1] if lamb else None,
             momentum_buffers=None if lamb else state[0],
             masters=None if all(map(is_, masters, repeat(None))) else masters,
-            backend=group["backend"], sources=sources if sharded else None)
+            backend=group["backend"], sources=sources if sharded else None,
+            keys=torch.tensor(keys, dtype=torch.int64) if keys else None)
 
     def _kept_group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
         """Note [list cache]: the group's lists as the last step gathered them, with this step's
@@ -583,15 +631,16 @@ class _TrustRatioOptimizer(Optimizer):
         """torch's loader, except that float32 state of low-precision params stays float32, the
         step count stays a float32 tensor on the param's device (torch would cast both), and each
         group keeps the ``backend`` it was built with (how this process runs, not state)."""
-        backends = [g["backend"] for g in self.param_groups]
+        own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
         super().load_state_dict(state_dict)
         _unshare_lrs(self.param_groups)
         self._fresh()  # Note [step cache]; the loaded options are checked at step()
-        for g, be in zip(self.param_groups, backends):
-            g["backend"] = be
+        for g, mine in zip(self.param_groups, own):
+            g.update(mine)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(saved_ids, params):
+        params = ((g, p) for g in self.param_groups for p in g["params"])
+        converted: set[tuple[str, str]] = set()
+        for pid, (group, p) in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
             if saved is None:
                 continue
@@ -605,12 +654,36 @@ class _TrustRatioOptimizer(Optimizer):
                             and value.dtype == torch.float32 and value.device == lp.device):
                         self.state[p][key] = torch.as_tensor(value).reshape(()).to(
                             device=lp.device, dtype=torch.float32, copy=True)
-                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                if (not isinstance(value, torch.Tensor) or key == "step"
+                        or not (value.is_floating_point() or value.dtype == torch.uint8)):
                     continue
-                if key == "step":
-                    continue
-                elif key == "master_param" or key in self._state_keys:
+                if key == "master_param":
                     self.state[p][key] = value.to(device=p.device, dtype=compute_dtype(lp.dtype))
+                elif key in self._state_keys:
+                    self.state[p][key] = self._loaded_moment(group, p, key, value, converted)
+        if converted:
+            warnings.warn(f"{type(self).__name__}.load_state_dict converted optimizer state from "
+                          "one format to another (" + ", ".join(
+                              f"{a} to {b}" for a, b in sorted(converted)) + "), to the groups' "
+                          "state_precision (docs/math.md, \"Low-precision state\")", stacklevel=2)
+
+    def _loaded_moment(self, group: dict[str, Any], p: torch.Tensor, key: str,
+                       value: torch.Tensor, converted: set) -> torch.Tensor:
+        """A saved moment as this optimizer stores it: in the format that ``group`` gives ``p``
+        (converted when it was saved in another, recording the pair in ``converted``), on the
+        param's device."""
+        lp = _local(p)
+        cd = compute_dtype(lp.dtype)
+        fmt = self._state_format(group, p)
+        if value.dtype not in _STATE_DTYPES.values():
+            value = value.to(device=p.device, dtype=cd)
+        else:
+            value = value.to(device=p.device)
+        have = lowp.format_of(value)
+        if have == fmt:
+            return value
+        converted.add((have, fmt))
+        return lowp.convert(value, fmt, lp, root=key == "exp_avg_sq", full_dtype=cd)
 
 
 class FusedLAMB(_TrustRatioOptimizer):
@@ -639,6 +712,14 @@ class FusedLAMB(_TrustRatioOptimizer):
         master_weights: keep an fp32 copy of bf16/fp16 params in ``state["master_param"]``
             (None = yes for bf16/fp16 params). The step updates the master and writes the param
             back rounded to nearest even; trust-ratio norms use the master.
+        state_precision: how the moments are stored (docs/math.md, "Low-precision state"):
+            ``"full"`` (the compute dtype), ``"bf16"`` (m rounded to nearest, v stochastically)
+            or ``"8bit"`` (blocks of 256 with one scale each: about 1 byte per element and
+            moment). The step reads the moments as stored, so the trust ratio is that of the
+            update applied. Chosen when a param's state is created; ``load_state_dict`` converts
+            state saved in another format (with a warning).
+        state_min_numel: params with fewer elements keep full state (default 4096); a param
+            can also be put in a group of its own with ``state_precision="full"``.
         capturable: accepted for drop-in compatibility with torch optimizers. fusedopt steps are
             always capturable in a CUDA graph: step counts live on the param's device, ``lr`` may
             be a tensor, and ``step()`` reads no tensor value on the host (a tensor ``lr`` is
@@ -676,6 +757,8 @@ class FusedLAMB(_TrustRatioOptimizer):
         adapt: bool = LAMB_DEFAULTS["adapt"],
         backend: str = "auto",
         master_weights: bool | None = None,
+        state_precision: str = "full",
+        state_min_numel: int = 4096,
         capturable: bool = False,
         skip_nonfinite: bool = False,
     ):
@@ -684,7 +767,8 @@ class FusedLAMB(_TrustRatioOptimizer):
             bias_correction=bias_correction, grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
             decoupled_weight_decay=decoupled_weight_decay, adapt=adapt,
-            backend=backend, master_weights=master_weights, capturable=capturable,
+            backend=backend, master_weights=master_weights, state_precision=state_precision,
+            state_min_numel=state_min_numel, capturable=capturable,
         )
         super().__init__(params, defaults, skip_nonfinite)
 
@@ -704,7 +788,8 @@ class FusedLARS(_TrustRatioOptimizer):
         w ← w − step
 
     The buffer is ``state["momentum_buffer"]`` (torch SGD's name). ``max_grad_norm`` clips by the
-    global norm of all gradients first. See :class:`FusedLAMB` for ``backend``, ``master_weights``
+    global norm of all gradients first. See :class:`FusedLAMB` for ``backend``, ``master_weights``,
+    ``state_precision`` (here for the momentum buffer, rounded to nearest), ``state_min_numel``
     and per-group options.
     """
 
@@ -731,6 +816,8 @@ class FusedLARS(_TrustRatioOptimizer):
         adapt: bool = LARS_DEFAULTS["adapt"],
         backend: str = "auto",
         master_weights: bool | None = None,
+        state_precision: str = "full",
+        state_min_numel: int = 4096,
         capturable: bool = False,
         skip_nonfinite: bool = False,
     ):
@@ -739,6 +826,7 @@ class FusedLARS(_TrustRatioOptimizer):
             trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
             dampening=dampening, trust_clip=trust_clip, denominator=denominator,
             lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt,
-            backend=backend, master_weights=master_weights, capturable=capturable,
+            backend=backend, master_weights=master_weights, state_precision=state_precision,
+            state_min_numel=state_min_numel, capturable=capturable,
         )
         super().__init__(params, defaults, skip_nonfinite)

@@ -962,8 +962,8 @@ BAD_INPUTS = (
              RuntimeError, r"param group 1, param 0.*state '{state}'.*shape \(3,\)",
              backend_matters=True),
     BadInput("state_of_another_dtype", _edited(_set_state(None, lambda old: old.double())),
-             RuntimeError, r"param group 1, param 0.*state '{state}' must be a torch.float32 "
-             r"tensor", backend_matters=True),
+             RuntimeError, r"param group 1, param 0.*state '{state}' must be a torch.float32\b",
+             backend_matters=True),
     BadInput("state_none", _edited(_set_state(None, lambda old: None)), TypeError,
              r"param group 1, param 0 of those with grads: state '{state}' is NoneType, not a "
              r"tensor", backend_matters=True),

@@ -230,13 +230,16 @@ def test_bit_identical_for_1_and_2_threads(kind):
 
 
 def _digest():
-    """sha256 of every tensor after a few steps of each optimizer and storage dtype."""
+    """sha256 of every tensor after a few steps of each optimizer, storage dtype and state format
+    (docs/math.md "Low-precision state": its stochastic rounding too is bit-identical)."""
     h = hashlib.sha256()
     shapes = [(70001,), (4097,), (5,)]
+    cases = [(d, "full") for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
+    cases += [(d, sp) for d in (torch.float32, torch.bfloat16) for sp in ("bf16", "8bit")]
     for kind in ("lamb", "lars"):
-        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for dtype, precision in cases:
             params = [torch.nn.Parameter(t) for t in make_tensors(shapes, dtype, 0)]
-            opt = _opt(kind, params, max_grad_norm=1.0)
+            opt = _opt(kind, params, max_grad_norm=1.0, state_precision=precision)
             for step in range(2):
                 _set_grads(params, step, torch.bfloat16 if dtype == torch.float32 else None)
                 opt.step()

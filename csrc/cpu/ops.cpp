@@ -13,6 +13,7 @@
 #include <fusedopt/math.h>
 
 #include <atomic>
+#include <limits>
 #include <mutex>
 #include <type_traits>
 #include <utility>
@@ -83,11 +84,6 @@ using checks::same_layout;
 
 at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char* name) {
   return checks::check_list<OnCpu>(ts, weights, name);
-}
-
-void check_state(at::TensorList ts, at::TensorList weights, at::ScalarType compute,
-                 const char* name) {
-  checks::check_state<OnCpu>(ts, weights, compute, name);
 }
 
 void check_steps(at::TensorList steps, at::TensorList weights) {
@@ -338,6 +334,207 @@ FUSEDOPT_INLINE void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t 
   }
 }
 
+// ---------------------------------------------------------------- low-precision state chunks
+// Note [state formats] in math.h. The chunk offset o is a multiple of kChunk, itself a multiple
+// of kQBlock, so a chunk holds whole 8-bit blocks (the last one of a tensor may be short), and
+// kBlock == kQBlock: the blocks of the loops below are the 8-bit blocks. Element e of a tensor
+// draws sr_bits(base, e).
+static_assert(kChunk % kQBlock == 0 && kBlock == kQBlock, "8-bit blocks must be loop blocks");
+
+// A packed 8-bit moment of one tensor: the scales of its blocks and its codes (Note [state
+// formats]); at(o) is the part from element o (a multiple of kQBlock) on.
+template <typename C>
+struct Packed {
+  float* scales;
+  C* codes;
+  Packed at(int64_t o) const { return {scales + o / kQBlock, codes + o}; }
+};
+
+template <typename C>
+FUSEDOPT_INLINE Packed<C> packed(void* data, int64_t codes_offset) {
+  unsigned char* bytes = static_cast<unsigned char*>(data);
+  return {reinterpret_cast<float*>(bytes), reinterpret_cast<C*>(bytes + codes_offset)};
+}
+
+// The scale of a block whose largest value is top, or NaN when the block holds a value that is
+// not finite (check, the sum of x*0 over the block, is then NaN).
+FUSEDOPT_INLINE float block_scale(float scale, float check) {
+  return check == 0.0f ? scale : std::numeric_limits<float>::quiet_NaN();
+}
+
+// LAMB pass 1 with bf16 moments: m rounded to nearest even, v stochastically; u from the stored
+// values (what pass 2 reads).
+template <typename W, typename G>
+FUSEDOPT_INLINE void lamb_pass1_chunk_bf16(const W* __restrict__ w, const G* __restrict__ g,
+                                           uint16_t* __restrict__ m, uint16_t* __restrict__ v,
+                                           int64_t n, const LambCoef<float> c, const float gm,
+                                           double* out, unsigned int base, int64_t e0) {
+  alignas(64) float wb[kBlock];
+  alignas(64) float ub[kBlock];
+  SqSum w_sq, u_sq;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    for (int64_t k = 0; k < len; ++k) {
+      float mk = bf16_value(m[b + k]);
+      float vk = bf16_value(v[b + k]);
+      lamb_moments<float>(static_cast<float>(g[b + k]) * gm, mk, vk, c);
+      const uint16_t mq = bf16_rne(mk);
+      const uint16_t vq = bf16_stochastic(vk, sr_bits(base, e0 + b + k));
+      m[b + k] = mq;
+      v[b + k] = vq;
+      const float wk = static_cast<float>(w[b + k]);
+      wb[k] = wk;
+      ub[k] = lamb_direction<float>(wk, bf16_value(mq), bf16_value(vq), c);
+    }
+    w_sq.add(wb, len);
+    u_sq.add(ub, len);
+  }
+  out[0] = w_sq.total();
+  out[1] = u_sq.total();
+}
+
+// LAMB pass 1 with 8-bit moments, block by block: the stored moments read, updated, the block's
+// scales found, the codes written (v's stochastically), u from the values just stored.
+template <typename W, typename G>
+FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __restrict__ g,
+                                         Packed<int8_t> m, Packed<uint8_t> v, int64_t n,
+                                         const LambCoef<float> c, const float gm, double* out,
+                                         unsigned int base, int64_t e0) {
+  alignas(64) float wb[kBlock];
+  alignas(64) float mb[kBlock];
+  alignas(64) float vb[kBlock];
+  alignas(64) float ub[kBlock];
+  SqSum w_sq, u_sq;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    const int64_t blk = b / kQBlock;
+    const float fm0 = m.scales[blk], fv0 = v.scales[blk];
+    float m_top = 0.0f, v_top = 0.0f, m_check = 0.0f, v_check = 0.0f;
+    for (int64_t k = 0; k < len; ++k) {
+      float mk = q8_signed_value(m.codes[b + k], fm0);
+      const float sk = q8_root_value(v.codes[b + k], fv0);
+      float vk = sk * sk;
+      lamb_moments<float>(static_cast<float>(g[b + k]) * gm, mk, vk, c);
+      mb[k] = mk;
+      vb[k] = vk;
+      const float am = std::fabs(mk);
+      m_top = am > m_top ? am : m_top;
+      v_top = vk > v_top ? vk : v_top;
+      m_check += mk * 0.0f;
+      v_check += vk * 0.0f;
+    }
+    const float v_root_top = std::sqrt(v_top);
+    const float fm = block_scale(q8_signed_scale(m_top), m_check);
+    const float fv = block_scale(q8_root_scale(v_root_top), v_check);
+    const float qm = q8_signed_factor(m_top), qv = q8_root_factor(v_root_top);
+    const bool m_ok = m_check == 0.0f, v_ok = v_check == 0.0f;
+    m.scales[blk] = fm;
+    v.scales[blk] = fv;
+    for (int64_t k = 0; k < len; ++k) {
+      const int8_t cm = m_ok ? q8_signed_code(mb[k], qm) : int8_t(0);
+      const uint8_t cv =
+          v_ok ? q8_root_code(std::sqrt(vb[k]), qv, sr_bits(base, e0 + b + k)) : uint8_t(0);
+      m.codes[b + k] = cm;
+      v.codes[b + k] = cv;
+      const float wk = static_cast<float>(w[b + k]);
+      wb[k] = wk;
+      ub[k] = lamb_direction_s<float>(wk, q8_signed_value(cm, fm), q8_root_value(cv, fv), c);
+    }
+    w_sq.add(wb, len);
+    u_sq.add(ub, len);
+  }
+  out[0] = w_sq.total();
+  out[1] = u_sq.total();
+}
+
+// LAMB pass 2 with bf16 or 8-bit moments: u from the stored values (pass 1's u, bit for bit).
+template <typename W, typename P>
+FUSEDOPT_INLINE void lamb_pass2_chunk_bf16(W* __restrict__ w, P* __restrict__ p,
+                                           const uint16_t* __restrict__ m,
+                                           const uint16_t* __restrict__ v, int64_t n,
+                                           const LambCoef<float> c, const float lr_phi,
+                                           const float decay) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float wk = static_cast<float>(w[k]);
+    const float u = lamb_direction<float>(wk, bf16_value(m[k]), bf16_value(v[k]), c);
+    const float nw = lamb_apply<float>(wk, u, lr_phi, decay);
+    w[k] = static_cast<W>(nw);
+    store_param(p, k, nw);
+  }
+}
+
+template <typename W, typename P>
+FUSEDOPT_INLINE void lamb_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
+                                         Packed<int8_t> m, Packed<uint8_t> v, int64_t n,
+                                         const LambCoef<float> c, const float lr_phi,
+                                         const float decay) {
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    const float fm = m.scales[b / kQBlock], fv = v.scales[b / kQBlock];
+    for (int64_t k = b; k < b + len; ++k) {
+      const float wk = static_cast<float>(w[k]);
+      const float u = lamb_direction_s<float>(wk, q8_signed_value(m.codes[k], fm),
+                                              q8_root_value(v.codes[k], fv), c);
+      const float nw = lamb_apply<float>(wk, u, lr_phi, decay);
+      w[k] = static_cast<W>(nw);
+      store_param(p, k, nw);
+    }
+  }
+}
+
+// LARS pass 2 with a bf16 buffer: the new buffer rounded to nearest even, the step from it.
+template <typename W, typename G, typename P>
+FUSEDOPT_INLINE void lars_pass2_chunk_bf16(W* __restrict__ w, P* __restrict__ p,
+                                           const G* __restrict__ g, uint16_t* __restrict__ v,
+                                           int64_t n, const float gm, const LarsCoef<float> c) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float wk = static_cast<float>(w[k]);
+    const float d = lars_direction<float>(wk, static_cast<float>(g[k]) * gm, c);
+    const uint16_t vq = bf16_rne(lars_buffer<float>(d, bf16_value(v[k]), c));
+    v[k] = vq;
+    const float nw = lars_step<float>(wk, d, bf16_value(vq), c);
+    w[k] = static_cast<W>(nw);
+    store_param(p, k, nw);
+  }
+}
+
+// LARS pass 2 with an 8-bit buffer, block by block (the signed map, rounded to nearest).
+template <typename W, typename G, typename P>
+FUSEDOPT_INLINE void lars_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
+                                         const G* __restrict__ g, Packed<int8_t> v, int64_t n,
+                                         const float gm, const LarsCoef<float> c) {
+  alignas(64) float db[kBlock];
+  alignas(64) float vb[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    const int64_t blk = b / kQBlock;
+    const float f0 = v.scales[blk];
+    float top = 0.0f, check = 0.0f;
+    for (int64_t k = 0; k < len; ++k) {
+      const float d = lars_direction<float>(static_cast<float>(w[b + k]),
+                                            static_cast<float>(g[b + k]) * gm, c);
+      const float vk = lars_buffer<float>(d, q8_signed_value(v.codes[b + k], f0), c);
+      db[k] = d;
+      vb[k] = vk;
+      const float a = std::fabs(vk);
+      top = a > top ? a : top;
+      check += vk * 0.0f;
+    }
+    const float f = block_scale(q8_signed_scale(top), check);
+    const float q = q8_signed_factor(top);
+    const bool ok = check == 0.0f;
+    v.scales[blk] = f;
+    for (int64_t k = 0; k < len; ++k) {
+      const int8_t cv = ok ? q8_signed_code(vb[k], q) : int8_t(0);
+      v.codes[b + k] = cv;
+      const float nw = lars_step<float>(static_cast<float>(w[b + k]), db[k],
+                                        q8_signed_value(cv, f), c);
+      w[b + k] = static_cast<W>(nw);
+      store_param(p, b + k, nw);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------- checked lists
 
 // Checks the lists that a kept layout keeps from step to step (Note [kept layout] in ops.h) and
@@ -345,11 +542,23 @@ FUSEDOPT_INLINE void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t 
 // lists for an operator whose pass reads no state.
 at::ScalarType check_kept_lists(at::TensorList weights, at::TensorList params,
                                 at::TensorList state_a, at::TensorList state_b,
-                                at::TensorList steps) {
+                                at::TensorList steps, std::vector<unsigned char>& formats) {
   const at::ScalarType w_dtype = check_list(weights, weights, "weights");
   if (!params.empty()) check_list(params, weights, "params");
-  if (!state_a.empty()) check_state(state_a, weights, compute_dtype(w_dtype), "state");
-  if (!state_b.empty()) check_state(state_b, weights, compute_dtype(w_dtype), "state");
+  const at::ScalarType compute = compute_dtype(w_dtype);
+  formats.assign(weights.size(), kFullState);
+  if (!state_a.empty()) {
+    checks::check_state_formats<OnCpu>(state_a, weights, compute, "state", formats);
+  }
+  if (!state_b.empty()) {
+    std::vector<unsigned char> formats_b;
+    checks::check_state_formats<OnCpu>(state_b, weights, compute, "state", formats_b);
+    for (size_t i = 0; i < formats.size(); ++i) {
+      TORCH_CHECK(formats[i] == formats_b[i], kWho, "the two moments of weight ", i,
+                  " are stored in different formats (", state_a[i].scalar_type(), " and ",
+                  state_b[i].scalar_type(), "); Note [state formats]");
+    }
+  }
   check_steps(steps, weights);
   return w_dtype;
 }
@@ -400,10 +609,13 @@ struct CheckedLists {
   std::vector<void*> weights, params;    // params: bf16/fp16 params beside masters, or empty
   std::vector<void*> state_a, state_b;   // exp_avgs and exp_avg_sqs, or momentum buffers and {}
   std::vector<float*> steps;
+  std::vector<unsigned char> formats;    // of each tensor's state (Note [state formats])
+  std::vector<int64_t> codes_offset;     // of each packed 8-bit state, else 0
+  bool low_precision = false;            // whether any state is not full
   ChunkTable table;
 
   CheckedLists(at::ScalarType w_dtype, at::TensorList w, at::TensorList p, at::TensorList a,
-               at::TensorList b, at::TensorList s)
+               at::TensorList b, at::TensorList s, std::vector<unsigned char> f)
       : weight_dtype(w_dtype),
         param_dtype(p.empty() ? w_dtype : p[0].scalar_type()),
         weights(data_ptrs(w)),
@@ -411,8 +623,14 @@ struct CheckedLists {
         state_a(data_ptrs(a)),
         state_b(data_ptrs(b)),
         steps(s.size()),
+        formats(std::move(f)),
+        codes_offset(w.size(), 0),
         table(numels(w)) {
     for (size_t i = 0; i < s.size(); ++i) steps[i] = s[i].mutable_data_ptr<float>();
+    for (size_t i = 0; i < formats.size(); ++i) {
+      low_precision |= formats[i] != kFullState;
+      if (formats[i] == k8bitState) codes_offset[i] = q8_codes_offset(w[i].numel());
+    }
   }
   int64_t size() const { return static_cast<int64_t>(weights.size()); }
 };
@@ -536,18 +754,50 @@ at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grad
   return sums;
 }
 
+// The per-tensor bases of the random bits of stochastic rounding (Note [state formats]): the key
+// of tensor i is keys[i], or i without keys.
+std::vector<unsigned int> sr_bases(const CheckedLists& d, const std::vector<double>& t,
+                                   const std::optional<at::Tensor>& keys) {
+  std::vector<unsigned int> base(d.size(), 0);
+  if (!d.low_precision) return base;
+  const int64_t* k = nullptr;
+  at::Tensor kt;
+  if (keys.has_value()) {
+    kt = keys->to(at::kCPU, at::kLong).contiguous();
+    TORCH_CHECK(kt.numel() == d.size(), kWho, "keys must hold one key per weight (", d.size(),
+                "), got ", kt.numel());
+    k = kt.const_data_ptr<int64_t>();
+  }
+  for (int64_t i = 0; i < d.size(); ++i) base[i] = sr_base(t[i], k != nullptr ? k[i] : i);
+  return base;
+}
+
 at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
                           at::ScalarType g_dtype, const LambHyper& h,
-                          const std::optional<at::Tensor>& grad_mult) {
+                          const std::optional<at::Tensor>& grad_mult,
+                          const std::optional<at::Tensor>& keys) {
   return run_pass1(d, grads, g_dtype, [&](auto w_tag, auto g_tag, const std::vector<double>& t) {
     using W = typename decltype(w_tag)::type;
     using G = typename decltype(g_tag)::type;
     using T = ComputeT<W>;
     void* const* mp = d.state_a.data();
     void* const* vp = d.state_b.data();
-    return [coef = lamb_coefs<T>(h, t), gm = grad_multiplier<T>(grad_mult), mp, vp](
+    return [coef = lamb_coefs<T>(h, t), gm = grad_multiplier<T>(grad_mult), mp, vp,
+            base = sr_bases(d, t, keys), fmt = d.formats.data(), off = d.codes_offset.data()](
                int64_t i, const W* w, const G* g, int64_t o, int64_t len, double* out,
                const Chunk*) FUSEDOPT_INLINE_LAMBDA {
+      if constexpr (std::is_same_v<T, float>) {
+        if (fmt[i] == kBf16State) {
+          return lamb_pass1_chunk_bf16<W, G>(w, g, static_cast<uint16_t*>(mp[i]) + o,
+                                             static_cast<uint16_t*>(vp[i]) + o, len, coef[i], gm,
+                                             out, base[i], o);
+        }
+        if (fmt[i] == k8bitState) {
+          return lamb_pass1_chunk_q8<W, G>(w, g, packed<int8_t>(mp[i], off[i]).at(o),
+                                           packed<uint8_t>(vp[i], off[i]).at(o), len, coef[i], gm,
+                                           out, base[i], o);
+        }
+      }
       lamb_pass1_chunk<W, G, T>(w, g, static_cast<T*>(mp[i]) + o, static_cast<T*>(vp[i]) + o, len,
                                 coef[i], gm, out);
     };
@@ -573,10 +823,25 @@ void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyp
       void* const* pp = d.params.empty() ? nullptr : d.params.data();
       void* const* mp = d.state_a.data();
       void* const* vp = d.state_b.data();
+      const unsigned char* fmt = d.formats.data();
+      const int64_t* off = d.codes_offset.data();
       d.table.parallel_for([&](int64_t, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
         const int64_t i = ch.tensor, o = ch.offset;
         P* p = pp == nullptr ? nullptr : static_cast<P*>(pp[i]) + o;
-        lamb_pass2_chunk<W, P, T>(static_cast<W*>(wp[i]) + o, p, static_cast<const T*>(mp[i]) + o,
+        W* w = static_cast<W*>(wp[i]) + o;
+        if constexpr (std::is_same_v<T, float>) {
+          if (fmt[i] == kBf16State) {
+            return lamb_pass2_chunk_bf16<W, P>(w, p, static_cast<const uint16_t*>(mp[i]) + o,
+                                               static_cast<const uint16_t*>(vp[i]) + o, ch.len,
+                                               coef[i], lr_phi[i], decay);
+          }
+          if (fmt[i] == k8bitState) {
+            return lamb_pass2_chunk_q8<W, P>(w, p, packed<int8_t>(mp[i], off[i]).at(o),
+                                             packed<uint8_t>(vp[i], off[i]).at(o), ch.len,
+                                             coef[i], lr_phi[i], decay);
+          }
+        }
+        lamb_pass2_chunk<W, P, T>(w, p, static_cast<const T*>(mp[i]) + o,
                                   static_cast<const T*>(vp[i]) + o, ch.len, coef[i], lr_phi[i],
                                   decay);
       });
@@ -634,12 +899,25 @@ void run_lars_pass2(const CheckedLists& d, const std::vector<const void*>& grads
         void* const* pp = d.params.empty() ? nullptr : d.params.data();
         const void* const* gp = grads.data();
         void* const* vp = d.state_a.data();
+        const unsigned char* fmt = d.formats.data();
+        const int64_t* off = d.codes_offset.data();
         d.table.parallel_for([&](int64_t, const Chunk& ch) FUSEDOPT_INLINE_LAMBDA {
           const int64_t i = ch.tensor, o = ch.offset;
           P* p = pp == nullptr ? nullptr : static_cast<P*>(pp[i]) + o;
-          lars_pass2_chunk_any<W, G, P, T>(static_cast<W*>(wp[i]) + o, p,
-                                           static_cast<const G*>(gp[i]) + o,
-                                           static_cast<T*>(vp[i]) + o, ch.len, gm, coef[i]);
+          W* w = static_cast<W*>(wp[i]) + o;
+          const G* g = static_cast<const G*>(gp[i]) + o;
+          if constexpr (std::is_same_v<T, float>) {
+            if (fmt[i] == kBf16State) {
+              return lars_pass2_chunk_bf16<W, G, P>(w, p, g, static_cast<uint16_t*>(vp[i]) + o,
+                                                    ch.len, gm, coef[i]);
+            }
+            if (fmt[i] == k8bitState) {
+              return lars_pass2_chunk_q8<W, G, P>(w, p, g, packed<int8_t>(vp[i], off[i]).at(o),
+                                                  ch.len, gm, coef[i]);
+            }
+          }
+          lars_pass2_chunk_any<W, G, P, T>(w, p, g, static_cast<T*>(vp[i]) + o, ch.len, gm,
+                                           coef[i]);
         });
       });
     });
@@ -718,9 +996,10 @@ KeptLayout& bound(KeptLayout&& k, at::TensorList weights, at::TensorList params,
 at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
                       at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& hyper,
                       const std::optional<at::Tensor>& grad_mult,
-                      const std::optional<at::Tensor>& found_inf) {
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& keys) {
   return bound(KeptLayout(), weights, {}, exp_avgs, exp_avg_sqs, steps, grads)
-      .lamb_pass1(hyper, grad_mult, found_inf);
+      .lamb_pass1(hyper, grad_mult, found_inf, keys);
 }
 
 void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
@@ -769,11 +1048,12 @@ bool KeptLayout::bind(std::array<TensorPtrs, 6> lists, at::ScalarType grad_dtype
   const std::vector<at::Tensor> w = tensors(b.weights), p = tensors(b.params),
                                 sa = tensors(b.state_a), sb = tensors(b.state_b),
                                 st = tensors(b.steps);
-  const at::ScalarType w_dtype = check_kept_lists(w, p, sa, sb, st);
+  std::vector<unsigned char> formats;
+  const at::ScalarType w_dtype = check_kept_lists(w, p, sa, sb, st, formats);
   if (!b.grads.empty()) b.grad_dtype = check_list(tensors(b.grads), w, "grads");
   auto fp = std::make_unique<Fingerprints>();
   for (const TensorPtrs* ts : kept_lists(b)) fp->add(*ts);
-  checked_ = std::make_unique<CheckedLists>(w_dtype, w, p, sa, sb, st);
+  checked_ = std::make_unique<CheckedLists>(w_dtype, w, p, sa, sb, st, std::move(formats));
   checked_grad_dtype_ = b.grad_dtype;
   fingerprints_ = std::move(fp);
   bound_ = std::move(b);
@@ -841,7 +1121,8 @@ at::Tensor KeptLayout::grad_sq_norms() {
 
 at::Tensor KeptLayout::lamb_pass1(const at::Tensor& hyper,
                                   const std::optional<at::Tensor>& grad_mult,
-                                  const std::optional<at::Tensor>& found_inf) {
+                                  const std::optional<at::Tensor>& found_inf,
+                                  const std::optional<at::Tensor>& keys) {
   const std::lock_guard<std::mutex> lock(mutex_);  // Note [one call at a time]
   const Bound& b = bound();
   require(b.weights, {"grads", "exp_avgs", "exp_avg_sqs"}, {&b.grads, &b.state_a, &b.state_b});
@@ -851,7 +1132,7 @@ at::Tensor KeptLayout::lamb_pass1(const at::Tensor& hyper,
     return at::zeros({n, 2}, at::dtype(compute_dtype(checked_->weight_dtype)));
   }
   bump_versions({&b.state_a, &b.state_b, &b.steps});
-  return run_lamb_pass1(*checked_, const_data_ptrs(b.grads), b.grad_dtype, h, grad_mult);
+  return run_lamb_pass1(*checked_, const_data_ptrs(b.grads), b.grad_dtype, h, grad_mult, keys);
 }
 
 void KeptLayout::lamb_pass2(const at::Tensor& sums, const at::Tensor& hyper,

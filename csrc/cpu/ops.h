@@ -97,7 +97,8 @@ at::Tensor sq_norms(at::TensorList tensors);
 at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
                       at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& hyper,
                       const std::optional<at::Tensor>& grad_mult,
-                      const std::optional<at::Tensor>& found_inf);
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& keys);
 
 void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& sums,
@@ -147,7 +148,8 @@ class KeptLayout {
 
   at::Tensor grad_sq_norms();  // per-tensor sum of squares of the bound grads
   at::Tensor lamb_pass1(const at::Tensor& hyper, const std::optional<at::Tensor>& grad_mult,
-                        const std::optional<at::Tensor>& found_inf);
+                        const std::optional<at::Tensor>& found_inf,
+                        const std::optional<at::Tensor>& keys);
   void lamb_pass2(const at::Tensor& sums, const at::Tensor& hyper,
                   const std::optional<at::Tensor>& lr, const std::optional<at::Tensor>& found_inf);
   at::Tensor lars_pass1(const at::Tensor& hyper, const std::optional<at::Tensor>& grad_mult,

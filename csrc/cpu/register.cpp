@@ -14,6 +14,8 @@
 //   lr         optional tensor learning rate, overriding hyper's lr
 //   grad_mult  optional 0-dim tensor: every gradient element is read as g * grad_mult
 //   found_inf  optional 0-dim float32 tensor: when nonzero the step changes nothing
+//   keys       optional int64 tensor, one key per weight for the random bits of stochastic
+//              rounding (Note [state formats] in csrc/fusedopt/math.h); default: the index
 //   sums       [n, 2] per-tensor sums of squares returned by pass 1 (possibly all-reduced)
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -27,7 +29,7 @@ TORCH_LIBRARY(fusedopt, m) {
   m.def(
       "lamb_pass1(Tensor[] weights, Tensor[] grads, Tensor(a!)[] exp_avgs, "
       "Tensor(b!)[] exp_avg_sqs, Tensor(c!)[] steps, Tensor hyper, Tensor? grad_mult, "
-      "Tensor? found_inf) -> Tensor");
+      "Tensor? found_inf, Tensor? keys=None) -> Tensor");
   m.def(
       "lamb_pass2(Tensor(a!)[] weights, Tensor(b!)[] params, Tensor[] exp_avgs, "
       "Tensor[] exp_avg_sqs, Tensor[] steps, Tensor sums, Tensor hyper, Tensor? lr, "
@@ -128,7 +130,7 @@ PYBIND11_MODULE(_C, m) {
       .def("end", &KeptLayout::end, nogil)
       .def("grad_sq_norms", &KeptLayout::grad_sq_norms, nogil)
       .def("lamb_pass1", &KeptLayout::lamb_pass1, arg("hyper"), arg("grad_mult"),
-           arg("found_inf"), nogil)
+           arg("found_inf"), arg("keys") = py::none(), nogil)
       .def("lamb_pass2", &KeptLayout::lamb_pass2, arg("sums"), arg("hyper"), arg("lr"),
            arg("found_inf"), nogil)
       .def("lars_pass1", &KeptLayout::lars_pass1, arg("hyper"), arg("grad_mult"),

@@ -251,7 +251,8 @@ at::Tensor sq_norms(at::TensorList tensors) {
 at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorList exp_avgs,
                       at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& hyper,
                       const std::optional<at::Tensor>& grad_mult,
-                      const std::optional<at::Tensor>& found_inf) {
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& /*keys: full-precision state only*/) {
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
   check_list(grads, weights, "grads");
   check_state(exp_avgs, weights, compute, "exp_avgs");

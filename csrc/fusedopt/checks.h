@@ -18,8 +18,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <fusedopt/math.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 namespace fusedopt {
 namespace checks {
@@ -82,6 +85,44 @@ void check_state(at::TensorList ts, at::TensorList weights, at::ScalarType compu
   const at::ScalarType dtype = check_list<Device>(ts, weights, name);
   TORCH_CHECK(ts.empty() || dtype == compute, Device::kWho, name, " must be ", compute,
               " (the compute dtype), got ", dtype);
+}
+
+// A state list whose tensors may each be stored in a low-precision format (Note [state formats]
+// in math.h): the compute dtype, bfloat16 (float32 compute) with the weight's layout, or a packed
+// 8-bit uint8 tensor (float32 compute): one dimension, contiguous, q8_packed_numel(numel) bytes
+// from a 4-byte boundary. Writes the format of each tensor to formats (resized).
+template <typename Device>
+void check_state_formats(at::TensorList ts, at::TensorList weights, at::ScalarType compute,
+                         const char* name, std::vector<unsigned char>& formats) {
+  TORCH_CHECK(ts.size() == weights.size(), Device::kWho, weights.size(), " weights but ",
+              ts.size(), " ", name);
+  formats.assign(ts.size(), kFullState);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(Device::on_device(t, weights[0]), Device::kWho, name, "[", i, "] is on ",
+                t.device(), Device::elsewhere(weights[0]));
+    const at::ScalarType dtype = t.scalar_type();
+    const bool low = compute == at::kFloat;
+    if (dtype == at::kByte && low) {
+      TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.numel() == q8_packed_numel(w.numel()) &&
+                      reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0,
+                  Device::kWho, name, "[", i, "] is uint8 but not a packed 8-bit state of its ",
+                  w.numel(), "-element weight (one contiguous dimension of ",
+                  q8_packed_numel(w.numel()), " bytes from a 4-byte boundary; got shape ",
+                  t.sizes(), ")");
+      formats[i] = k8bitState;
+      continue;
+    }
+    TORCH_CHECK(dtype == compute || (low && dtype == at::kBFloat16), Device::kWho, name, "[", i,
+                "] must be ", compute, " (the compute dtype)",
+                low ? ", bfloat16 or a packed 8-bit uint8 tensor" : "", ", got ", dtype);
+    TORCH_CHECK(t.is_non_overlapping_and_dense(), Device::kWho, name, "[", i,
+                "] is not dense (strides ", t.strides(), ")");
+    TORCH_CHECK(same_layout(t, w), Device::kWho, name, "[", i, "] has shape ", t.sizes(),
+                " and strides ", t.strides(), " but its weight ", w.sizes(), " and ", w.strides());
+    formats[i] = dtype == compute ? kFullState : kBf16State;
+  }
 }
 
 // One step count per weight: a one-element float32 tensor on the backend's device.

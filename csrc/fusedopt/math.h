@@ -119,9 +119,15 @@ FUSEDOPT_HD void lamb_moments(T g, T& m, T& v, const LambCoef<T>& c) {
 // of three divisions and a root (division and root are the slowest vector instructions, and LAMB
 // runs them in both passes); each value is within a few ulp of the three-division form. Every
 // backend evaluates u in this order (fusedopt/kernels/math.py, fusedopt/backends/eager.py).
+// The same with s = sqrt(v) given (low-precision state stores s for 8-bit: Note [state formats]).
+template <typename T>
+FUSEDOPT_HD T lamb_direction_s(T w, T m, T s, const LambCoef<T>& c) {
+  return (m * c.r1) / (s * c.r2 + c.eps) + c.lambda_in_u * w;
+}
+
 template <typename T>
 FUSEDOPT_HD T lamb_direction(T w, T m, T v, const LambCoef<T>& c) {
-  return (m * c.r1) / (std::sqrt(v) * c.r2 + c.eps) + c.lambda_in_u * w;
+  return lamb_direction_s<T>(w, m, std::sqrt(v), c);
 }
 
 // phi = |w| / |u| (zero-norm rule), clamped to the bounds; 1 when not adapting.
@@ -190,13 +196,22 @@ FUSEDOPT_HD LarsCoef<T> lars_coef(const LarsHyper& h, T ratio, double t) {
   return c;
 }
 
-// d = ratio*(g + lambda*w); v <- keep*v + add*d; returns the new w = w - step, where
+// d = ratio*(g + lambda*w) and the new buffer keep*v + add*d.
+template <typename T>
+FUSEDOPT_HD T lars_direction(T w, T g, const LarsCoef<T>& c) {
+  return c.ratio * (g + c.lambda * w);
+}
+
+template <typename T>
+FUSEDOPT_HD T lars_buffer(T d, T v, const LarsCoef<T>& c) {
+  return c.keep * v + c.add * d;
+}
+
+// The new w = w - step from d and the buffer v as stored, where
 //   lr_in_momentum: step = v            (nesterov: lr*d + mu*v)
 //   otherwise:      step = lr*v         (nesterov: lr*(d + mu*v))
 template <typename T>
-FUSEDOPT_HD T lars_apply(T w, T g, T& v, const LarsCoef<T>& c) {
-  const T d = c.ratio * (g + c.lambda * w);
-  v = c.keep * v + c.add * d;
+FUSEDOPT_HD T lars_step(T w, T d, T v, const LarsCoef<T>& c) {
   T step;
   if (c.lr_in_momentum) {
     step = c.nesterov ? c.lr * d + c.mu * v : v;
@@ -204,6 +219,140 @@ FUSEDOPT_HD T lars_apply(T w, T g, T& v, const LarsCoef<T>& c) {
     step = c.nesterov ? c.lr * (d + c.mu * v) : c.lr * v;
   }
   return w - step;
+}
+
+// lars_direction, lars_buffer (v updated) and lars_step: the step with full-precision state.
+template <typename T>
+FUSEDOPT_HD T lars_apply(T w, T g, T& v, const LarsCoef<T>& c) {
+  const T d = lars_direction<T>(w, g, c);
+  v = lars_buffer<T>(d, v, c);
+  return lars_step<T>(w, d, v, c);
+}
+
+// ------------------------------------------------------------------- low-precision state
+// Note [state formats]: docs/math.md, "Low-precision state". A moment is stored in full precision
+// (the compute type), as bf16, or in 8 bits per element in blocks of kQBlock elements with one
+// float32 scale per block. Every function here is float32 arithmetic with one IEEE rounding per
+// operation in the order written (the CPU build does not contract into FMA; the CUDA build must
+// not either: __fmul_rn/__fadd_rn where it matters), so the backends store the same bits.
+enum StateFormat : unsigned char { kFullState = 0, kBf16State = 1, k8bitState = 2 };
+
+constexpr int kQBlock = 256;          // elements per 8-bit block
+constexpr int kScaleAlign = 16;       // scales padded to 64 bytes before the codes
+
+// Bytes before the codes of a packed 8-bit tensor of n elements, and its whole size.
+FUSEDOPT_HD long long q8_codes_offset(long long n) {
+  const long long blocks = (n + kQBlock - 1) / kQBlock;
+  return 4 * ((blocks + kScaleAlign - 1) / kScaleAlign) * kScaleAlign;
+}
+FUSEDOPT_HD long long q8_packed_numel(long long n) { return q8_codes_offset(n) + n; }
+
+// docs/math.md's mix: a 32-bit integer hash (wrapping arithmetic).
+FUSEDOPT_HD unsigned int mix32(unsigned int x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0x735a2d97u;
+  x ^= x >> 15;
+  return x;
+}
+
+// The per-tensor base of the random bits of step t (after the increment) for the tensor's key.
+FUSEDOPT_HD unsigned int sr_base(double t, long long key) {
+  const unsigned int ti = static_cast<unsigned int>(static_cast<long long>(t));
+  return mix32(mix32(0x9e3779b9u ^ ti) ^ static_cast<unsigned int>(key));
+}
+
+// bits(e) of the element e of the tensor.
+FUSEDOPT_HD unsigned int sr_bits(unsigned int base, long long e) {
+  return mix32(base ^ static_cast<unsigned int>(e));
+}
+
+FUSEDOPT_HD unsigned int float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  unsigned int u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+FUSEDOPT_HD float bits_float(unsigned int u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  __builtin_memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+// bf16 (as its 16 bits) of x rounded to nearest even; NaN stays NaN.
+FUSEDOPT_HD unsigned short bf16_rne(float x) {
+  const unsigned int u = float_bits(x);
+  if (x != x) return 0x7fc0;  // the NaN that c10::BFloat16 gives
+  return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// bf16 of x rounded stochastically with the random bits: the float32 bits plus bits >> 16, the
+// low 16 dropped; inf and NaN rounded to nearest (kept).
+FUSEDOPT_HD unsigned short bf16_stochastic(float x, unsigned int bits) {
+  const unsigned int u = float_bits(x);
+  if ((u & 0x7f800000u) == 0x7f800000u) return bf16_rne(x);
+  return static_cast<unsigned short>((u + (bits >> 16)) >> 16);
+}
+
+FUSEDOPT_HD float bf16_value(unsigned short h) { return bits_float(static_cast<unsigned int>(h) << 16); }
+
+// The 8-bit maps are minifloats relative to the block's largest value, written with integer
+// operations on float32 bit patterns (exact, so every backend gets the same codes).
+//
+// Signed map (m, LARS's buffer), E4M3: with a the block's largest |x|, the scale f = a / 1.875
+// and the factor q = 1.875 / a (0 for a = 0); y = |x|*q rounded to nearest even at 3 mantissa
+// bits; the code is sign(x)*c, c = clamp(bits(y)' - 896, 0, 127), and its value
+// f * float(bits (c + 896) << 20), 0 for c = 0: 15 octaves down from a, magnitudes below
+// 2^-15 * a stored as 0.
+constexpr unsigned int kSignedOffset = (127 - 15) << 3;  // 896
+constexpr float kSignedTop = 1.875f;                     // the largest code's value, 2^0 * 15/8
+
+FUSEDOPT_HD float q8_signed_scale(float a) { return a / kSignedTop; }
+FUSEDOPT_HD float q8_signed_factor(float a) { return a > 0.0f ? kSignedTop / a : 0.0f; }
+
+FUSEDOPT_HD signed char q8_signed_code(float x, float q) {
+  const unsigned int b = float_bits(std::fabs(x) * q);
+  const int t = static_cast<int>((b + 0x7ffffu + ((b >> 20) & 1u)) >> 20) -
+                static_cast<int>(kSignedOffset);
+  const int c = t < 0 ? 0 : (t > 127 ? 127 : t);
+  return static_cast<signed char>(x < 0.0f ? -c : c);
+}
+
+FUSEDOPT_HD float q8_signed_value(signed char code, float f) {
+  const int c = code < 0 ? -code : code;
+  const float y = c == 0 ? 0.0f : bits_float(static_cast<unsigned int>(c + kSignedOffset) << 20);
+  return (code < 0 ? -y : y) * f;
+}
+
+// Square-root map (LAMB's v, by s = sqrt(v)), E4M4 with no zero: with S the block's largest s,
+// the scale f = S / 1.9375 and the factor q = 1.9375 / S (0 for S = 0); y = s*q rounded at 4
+// mantissa bits by adding `round` (19 bits: (bits(e) >> 13) for stochastic rounding, 0x3ffff plus
+// the kept bit's parity for nearest even) to its bit pattern; the code
+// c = clamp(bits' - 1792, 0, 255), its value f * float(bits (c + 1792) << 19). The smallest
+// value is 2^-15 * S: a nonzero block stores no v = 0.
+constexpr unsigned int kRootOffset = (127 - 15) << 4;  // 1792
+constexpr float kRootTop = 1.9375f;                    // 2^0 * 31/16
+
+FUSEDOPT_HD float q8_root_scale(float s_max) { return s_max / kRootTop; }
+FUSEDOPT_HD float q8_root_factor(float s_max) { return s_max > 0.0f ? kRootTop / s_max : 0.0f; }
+
+FUSEDOPT_HD unsigned char q8_root_code(float s, float q, unsigned int bits) {
+  const unsigned int b = float_bits(s * q);
+  const int t = static_cast<int>((b + (bits >> 13)) >> 19) - static_cast<int>(kRootOffset);
+  return static_cast<unsigned char>(t < 0 ? 0 : (t > 255 ? 255 : t));
+}
+
+FUSEDOPT_HD float q8_root_value(unsigned char c, float f) {
+  return bits_float(static_cast<unsigned int>(c + kRootOffset) << 19) * f;
 }
 
 }  // namespace fusedopt

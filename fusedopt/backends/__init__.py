@@ -44,6 +44,8 @@ class Backend:
     """Interface every backend implements (see the module docstring)."""
 
     name: str = ""
+    # the state formats (docs/math.md "Low-precision state") this backend's passes implement
+    state_formats: tuple[str, ...] = ("full",)
 
     def unavailable_reason(self, device: torch.device, param_dtype: torch.dtype,
                            grad_dtype: torch.dtype) -> str | None:

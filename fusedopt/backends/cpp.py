@@ -66,7 +66,7 @@ def _register_fakes() -> None:
         return tensors[0].new_empty((len(tensors),), dtype=dtype)
 
     @lib.register_fake("fusedopt::lamb_pass1")
-    def _(weights, grads, exp_avgs, exp_avg_sqs, steps, hyper, grad_mult, found_inf):
+    def _(weights, grads, exp_avgs, exp_avg_sqs, steps, hyper, grad_mult, found_inf, keys=None):
         return _sums_like(weights)
 
     @lib.register_fake("fusedopt::lamb_pass2")
@@ -91,6 +91,7 @@ class CppBackend(Backend):
     it; a traced step calls the ``torch.ops.fusedopt`` operators, which torch.compile records."""
 
     name = "cpp"
+    state_formats = ("full", "bf16", "8bit")
 
     def __init__(self):
         global _fakes_registered
@@ -151,9 +152,9 @@ class CppBackend(Backend):
         layout = b.scratch.get("layout")
         if kind == "lamb":
             if layout is not None:
-                return layout.lamb_pass1(hyper, grad_mult, found_inf)
+                return layout.lamb_pass1(hyper, grad_mult, found_inf, b.keys)
             return self._ops.lamb_pass1(b.weights, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps,
-                                        hyper, grad_mult, found_inf)
+                                        hyper, grad_mult, found_inf, b.keys)
         if layout is not None:
             return layout.lars_pass1(hyper, grad_mult, found_inf)
         return self._ops.lars_pass1(b.weights, b.grads, b.steps, hyper, grad_mult, found_inf)

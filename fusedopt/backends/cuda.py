@@ -31,6 +31,7 @@ class CudaBackend(CppBackend):
     """The C++ backend's operators and passes; the CUDA kernels behind them and CUDA's dtype rules."""
 
     name = "cuda"
+    state_formats = ("full",)  # the CUDA kernels hold fp32 state only
 
     def __init__(self):
         super().__init__()  # fusedopt._C: the operator schemas and fakes

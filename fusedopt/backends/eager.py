@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import Backend
+from .. import lowp
 from .._bucket import Bucket, bias_correction
 from .._hyper import LAMB_FIELDS, LARS_FIELDS, LambHyper
 
@@ -166,8 +167,26 @@ def _per_tensor(x: torch.Tensor) -> list[torch.Tensor]:
     return list(x.unbind())
 
 
+def _low_precision(states: list[torch.Tensor]) -> list[tuple[int, str]]:
+    """(index, format) of the state tensors stored in a low-precision format."""
+    if all(x.dtype.is_floating_point and x.dtype != torch.bfloat16 for x in states):
+        return []
+    return [(i, lowp.format_of(x)) for i, x in enumerate(states) if lowp.format_of(x) != "full"]
+
+
+def _read(states: list[torch.Tensor], w: list[torch.Tensor], low, root: bool = False) -> list:
+    """The float32 values of the low-precision entries ``low`` of ``states`` (of the shapes of
+    ``w``); ``root``: LAMB's v, read from 8-bit state as the square of the stored ``s``."""
+    out = list(states)
+    for i, fmt in low:
+        x = lowp.read(states[i], w[i].shape, root)
+        out[i] = x * x if root and fmt == "8bit" else x
+    return out
+
+
 class EagerBackend(Backend):
     name = "eager"
+    state_formats = ("full", "bf16", "8bit")
 
     def unavailable_reason(self, device, param_dtype, grad_dtype):
         return None
@@ -197,14 +216,27 @@ class EagerBackend(Backend):
         t = _new_steps(b, found_inf)
         w = _compute_weights(b)
         g = _compute_grads(b, grad_mult)
-        m = _added(torch._foreach_mul(b.exp_avgs, h.beta1), g, h.beta3, inplace=True)
-        v = torch._foreach_mul(b.exp_avg_sqs, h.beta2)
+        low = _low_precision(b.exp_avgs)
+        m_old, v_old = b.exp_avgs, b.exp_avg_sqs
+        if low:
+            m_old, v_old = _read(m_old, w, low), _read(v_old, w, low, root=True)
+        m = _added(torch._foreach_mul(m_old, h.beta1), g, h.beta3, inplace=True)
+        v = torch._foreach_mul(v_old, h.beta2)
         if torch.compiler.is_compiling():
             _added(v, torch._foreach_mul(g, g), h.one_minus_beta2, inplace=True)
         else:
             torch._foreach_addcmul_(v, g, g, value=h.one_minus_beta2)
-        # u = (m·r1) / (sqrt(v)·r2 + eps) + λ·w: Note [bias-correction factors] in math.h
-        den = torch._foreach_sqrt(v)
+        # u = (m·r1) / (sqrt(v)·r2 + eps) + λ·w: Note [bias-correction factors] in math.h, from
+        # the moments as stored (docs/math.md, "Low-precision state")
+        den = list(torch._foreach_sqrt(v))
+        m_store, v_store = m, v
+        if low:
+            m_store, v_store, m = list(m), list(v), list(m)
+            for i, fmt in low:
+                key = i if b.keys is None else int(b.keys[i])
+                bits = lowp.random_bits(t[i], key, v[i].numel())
+                m_store[i], m[i] = lowp.write(fmt, m[i])
+                v_store[i], den[i] = lowp.write(fmt, v[i], root=True, bits=bits)
         if h.bias_correction:
             r1 = _per_tensor(bias_correction(h.beta1, t).reciprocal().to(cd))
             r2 = _per_tensor(bias_correction(h.beta2, t).sqrt().reciprocal().to(cd))
@@ -217,7 +249,7 @@ class EagerBackend(Backend):
         u = torch._foreach_div(m_hat, den)
         # λ·w also for λ = 0: 0·inf is NaN, as in every backend (Note [NaN propagation])
         _added(u, w, h.lambda_in_u, inplace=True)
-        b.scratch.update(t=t, w=w, u=u, m=m, v=v)
+        b.scratch.update(t=t, w=w, u=u, m=m_store, v=v_store)
         return torch.stack([_sq(w, cd, b.workspace), _sq(u, cd, b.workspace)], dim=1)
 
     def lamb_pass2(self, b: Bucket, h: _Scalars, sums, found_inf):
@@ -253,22 +285,31 @@ class EagerBackend(Backend):
         ratio = lars_trust_ratio(sums[:, 0], sums[:, 1], h)
         d = torch._foreach_mul(s["d"], _per_tensor(ratio))
         mu, buf, lr = h.momentum, b.momentum_buffers, h.lr
+        low = _low_precision(buf)
+        old = _read(buf, w, low) if low else buf
         if h.lr_in_momentum:
             lr_d = torch._foreach_mul(d, lr)  # h.lr may be a tensor (capturable steps)
-            v = torch._foreach_mul(buf, mu)
+            v = torch._foreach_mul(old, mu)
             torch._foreach_add_(v, lr_d)
-            step = _added(lr_d, v, mu) if h.nesterov else v
         else:
             later = (t != 1).to(b.compute_dtype)  # torch SGD: the buffer starts as d at t = 1
             a = _per_tensor(later * mu)
             c = _per_tensor((torch.ones_like(later) * h.one_minus_dampening).where(
                 later != 0, 1.0))
-            v = torch._foreach_mul(buf, a)
+            v = torch._foreach_mul(old, a)
             torch._foreach_add_(v, torch._foreach_mul(d, c))
+        v_store = v = list(v)
+        if low:  # the step moves by the buffer as stored (docs/math.md, "Low-precision state")
+            v_store = list(v)
+            for i, fmt in low:
+                v_store[i], v[i] = lowp.write(fmt, v[i])
+        if h.lr_in_momentum:
+            step = _added(lr_d, v, mu) if h.nesterov else v
+        else:
             step = _added(d, v, mu) if h.nesterov else v
             step = torch._foreach_mul(step, lr)
         w_new = torch._foreach_sub(w, step)
-        _commit(buf, v, found_inf)
+        _commit(buf, v_store, found_inf)
         _commit_weights(b, w_new, found_inf)
         torch._foreach_copy_(b.steps, _per_tensor(t))
         b.scratch.clear()

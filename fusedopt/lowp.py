@@ -1,0 +1,232 @@
+"""Low-precision optimizer state: the bf16 and 8-bit formats of docs/math.md ("Low-precision
+state"), written in torch operations.
+
+This is the readable statement of the formats that the eager backend runs and that converts
+state between formats (``load_state_dict``); the fused backends implement the same operations
+(``csrc/fusedopt/math.h``). A state tensor's format is told by its dtype: float32 or float64 is
+full state, bfloat16 is bf16, uint8 is 8-bit. An 8-bit tensor is *packed*: one flat uint8 tensor
+per moment and param, the float32 scales of its blocks (padded to 64 bytes) followed by one code
+per element (:func:`packed_numel`).
+
+Everything runs in float32 with one IEEE rounding per operation, in the order docs/math.md
+writes; the 32-bit hash runs in int64 arithmetic masked to 32 bits (its multipliers are below
+2^31, so no product leaves int64).
+"""
+from __future__ import annotations
+
+import torch
+
+FORMATS = ("full", "bf16", "8bit")
+BLOCK = 256  # elements per 8-bit block
+_SEED = 0x9E3779B9
+_MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97
+_MASK = 0xFFFFFFFF
+_SCALE_ALIGN = 16  # scales per 64 bytes
+
+
+def format_of(state: torch.Tensor) -> str:
+    """The format of a state tensor, told by its dtype."""
+    return {torch.bfloat16: "bf16", torch.uint8: "8bit"}.get(state.dtype, "full")
+
+
+def n_blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def codes_offset(n: int) -> int:
+    """Byte offset of the codes in the packed tensor of ``n`` elements (the scales before them,
+    padded to 64 bytes)."""
+    return 4 * (-(-n_blocks(n) // _SCALE_ALIGN) * _SCALE_ALIGN)
+
+
+def packed_numel(n: int) -> int:
+    """Bytes of the packed 8-bit tensor of a moment of ``n`` elements."""
+    return codes_offset(n) + n
+
+
+def zeros(like: torch.Tensor, fmt: str, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zero state in format ``fmt`` for the param ``like`` (``dtype``: the full format's dtype).
+    An 8-bit tensor of zeros holds the value 0 (scales 0)."""
+    if fmt == "full":
+        return torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format)
+    if fmt == "bf16":
+        return torch.zeros_like(like, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+    if fmt == "8bit":
+        return torch.zeros(packed_numel(like.numel()), dtype=torch.uint8, device=like.device)
+    raise ValueError(f"unknown state format {fmt!r}; expected one of {FORMATS}")
+
+
+def split(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 scales ``[n_blocks(n)]`` and uint8 codes ``[n]`` of a packed tensor (views)."""
+    scales = packed[: 4 * n_blocks(n)].view(torch.float32)
+    return scales, packed[codes_offset(n):codes_offset(n) + n]
+
+
+# ------------------------------------------------------------------------------ random bits
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """docs/math.md's ``mix`` on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _MASK
+    return x ^ (x >> 15)
+
+
+def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
+    """``bits(e)`` for the elements ``e < n`` of a tensor whose step count (after the increment)
+    is ``step`` and whose key is ``key``: int64 values in [0, 2^32)."""
+    t = step.reshape(()).to(torch.int64) & _MASK
+    base = _mix(_mix(t ^ _SEED) ^ (key & _MASK))
+    e = torch.arange(n, dtype=torch.int64, device=step.device) & _MASK
+    return _mix(base ^ e)
+
+
+# ---------------------------------------------------------------------------------- bf16
+def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
+    """float32 values of int64 tensors holding their bit patterns in [0, 2^32)."""
+    signed = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)
+    return signed.to(torch.int32).view(torch.float32)
+
+
+def bf16_stochastic(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``v`` (float32, flat) rounded to bf16 stochastically with ``bits`` (docs/math.md): the
+    float32 bits plus ``bits >> 16``, the low 16 bits dropped; inf and NaN converted as they are."""
+    raw = v.view(torch.int32).to(torch.int64) & _MASK
+    rounded = _bits_to_float((((raw + (bits >> 16)) >> 16) << 16) & _MASK).to(torch.bfloat16)
+    return torch.where(torch.isfinite(v), rounded, v.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------- 8-bit
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """A flat tensor as ``[n_blocks, BLOCK]`` (the last block padded with zeros)."""
+    n = x.numel()
+    pad = n_blocks(n) * BLOCK - n
+    return torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
+
+
+def _full(like: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` as a tensor of ``like``'s shape: a division by a CPU scalar may run as a
+    multiplication by its reciprocal, a division by a tensor divides."""
+    return torch.full_like(like, value)
+
+
+def _block_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: the largest value of ``x`` (``[blocks, BLOCK]``, >= 0) and whether the block
+    holds a value that is not finite."""
+    return x.amax(dim=1), ~torch.isfinite(x).all(dim=1)
+
+
+_SIGNED_TOP, _SIGNED_OFFSET = 1.875, (127 - 15) << 3  # E4M3: 2^0·15/8, 896
+_ROOT_TOP, _ROOT_OFFSET = 1.9375, (127 - 15) << 4  # E4M4: 2^0·31/16, 1792
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The float32 bit patterns of ``x`` as int64 values in [0, 2^32)."""
+    return x.contiguous().view(torch.int32).to(torch.int64) & _MASK
+
+
+def encode_signed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32, flat) in the signed E4M3 map, rounded to nearest even: (int8 codes
+    ``[n]``, scales ``f = a / 1.875``)."""
+    n = x.numel()
+    xb = _blocks(x)
+    a, bad = _block_max(xb.abs())
+    scale = torch.where(bad, torch.full_like(a, float("nan")), a / _full(a, _SIGNED_TOP))
+    q = torch.where(a > 0, _full(a, _SIGNED_TOP) / a, torch.zeros_like(a))
+    b = _bits(xb.abs() * q[:, None])
+    c = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - _SIGNED_OFFSET
+    c = torch.where(bad[:, None], torch.zeros_like(c), c.clamp(0, 127))
+    codes = torch.where(xb < 0, -c, c).to(torch.int8)
+    return codes.reshape(-1)[:n], scale
+
+
+def decode_signed(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The values of int8 E4M3 codes (flat) with their blocks' scales (float32, flat)."""
+    c = codes.to(torch.int64)
+    mag = c.abs()
+    y = torch.where(mag > 0, _bits_to_float((mag + _SIGNED_OFFSET) << 20), 0.0)
+    return torch.where(c < 0, -y, y) * scales.repeat_interleave(BLOCK)[: codes.numel()]
+
+
+def encode_sqrt(v: torch.Tensor, bits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v`` (float32, flat, >= 0) by its square root in the E4M4 map with no code for 0:
+    (uint8 codes ``[n]``, scales ``f = S / 1.9375``). ``bits``: the random bits of stochastic
+    rounding, or None to round to nearest even (conversions outside a step)."""
+    n = v.numel()
+    sb = _blocks(torch.sqrt(v))
+    s_max, bad = _block_max(sb)
+    scale = torch.where(bad, torch.full_like(s_max, float("nan")), s_max / _full(s_max, _ROOT_TOP))
+    q = torch.where(s_max > 0, _full(s_max, _ROOT_TOP) / s_max, torch.zeros_like(s_max))
+    b = _bits(sb * q[:, None])
+    add = (_blocks(bits) >> 13) if bits is not None else 0x3FFFF + ((b >> 19) & 1)
+    c = ((b + add) >> 19) - _ROOT_OFFSET
+    c = torch.where(bad[:, None], torch.zeros_like(c), c.clamp(0, 255))
+    return c.to(torch.uint8).reshape(-1)[:n], scale
+
+
+def decode_sqrt(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The square roots ``s`` of uint8 E4M4 codes (flat) with their blocks' scales."""
+    y = _bits_to_float((codes.to(torch.int64) + _ROOT_OFFSET) << 19)
+    return y * scales.repeat_interleave(BLOCK)[: codes.numel()]
+
+
+# ----------------------------------------------------------------------- whole tensors
+def read(state: torch.Tensor, shape: torch.Size, root: bool = False) -> torch.Tensor:
+    """The float32 values a state tensor stores, of the param's ``shape`` (full state is returned
+    as it is). ``root``: the tensor is LAMB's ``exp_avg_sq``; 8-bit state then gives ``s`` and the
+    caller squares it (docs/math.md), other formats give ``v``."""
+    fmt = format_of(state)
+    if fmt == "full":
+        return state
+    if fmt == "bf16":
+        return state.to(torch.float32)
+    n = shape.numel()
+    scales, codes = split(state, n)
+    if root:
+        return decode_sqrt(codes, scales).view(shape)
+    return decode_signed(codes.view(torch.int8), scales).view(shape)
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A packed 8-bit tensor of codes (int8 or uint8, flat) and their blocks' scales."""
+    n = codes.numel()
+    out = torch.zeros(packed_numel(n), dtype=torch.uint8, device=codes.device)
+    s, c = split(out, n)
+    s.copy_(scales)
+    c.copy_(codes.view(torch.uint8))
+    return out
+
+
+def write(fmt: str, x: torch.Tensor, *, root: bool = False,
+          bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round float32 ``x`` to format ``fmt``: (what the state tensor stores, the float32 values
+    it then holds, of ``x``'s shape). ``root``: ``x`` is LAMB's ``v`` (stochastic rounding with
+    ``bits`` when given, to nearest otherwise), and the values returned are ``s = √v``; otherwise
+    ``x`` is a signed moment, rounded to nearest."""
+    flat = x.reshape(-1)
+    if fmt == "full":
+        return x, torch.sqrt(x) if root else x
+    if fmt == "bf16":
+        stored = (bf16_stochastic(flat, bits) if root and bits is not None
+                  else flat.to(torch.bfloat16)).view(x.shape)
+        held = stored.to(torch.float32)
+        return stored, torch.sqrt(held) if root else held
+    if root:
+        codes, scales = encode_sqrt(flat, bits)
+        return pack(codes, scales), decode_sqrt(codes, scales).view(x.shape)
+    codes, scales = encode_signed(flat)
+    return pack(codes, scales), decode_signed(codes, scales).view(x.shape)
+
+
+def convert(state: torch.Tensor, fmt: str, like: torch.Tensor, *, root: bool,
+            full_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A state tensor of the param ``like`` in format ``fmt``, from one in any format (rounding
+    to nearest: no randomness outside a step)."""
+    if format_of(state) == fmt:
+        return state
+    values = read(state, like.shape, root)
+    if root and format_of(state) == "8bit":
+        values = values * values
+    if fmt == "full":
+        return values.to(full_dtype).view(like.shape).clone()
+    return write(fmt, values.to(torch.float32).reshape(like.shape), root=root)[0]
