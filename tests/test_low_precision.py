@@ -523,3 +523,19 @@ def test_fused_step_with_8bit_state_allocates_no_parameter_sized_temporaries():
                 opt.step()
         allocs = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
         assert allocs and max(allocs) < 64 * 1024, max(allocs)
+
+
+def test_a_changed_state_precision_applies_at_load_state_dict():
+    """The option decides the format of state when it is made, and at load_state_dict, which
+    converts: changing it on a running optimizer and reloading its own state dict converts."""
+    params, opt = _run("lamb", "cpp", "full", steps=2)
+    opt.param_groups[0]["state_precision"] = "8bit"
+    _grads(params, torch.Generator().manual_seed(3))
+    opt.step()
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32
+    with pytest.warns(UserWarning, match="full to 8bit"):
+        opt.load_state_dict(opt.state_dict())
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.uint8
+    assert opt.state[params[2]]["exp_avg"].dtype == torch.float32  # below state_min_numel
+    opt.step()
+    assert float(opt.state[params[0]]["step"]) == 4

@@ -6,6 +6,7 @@
 // Memory traffic per element and step is docs/math.md's model: LAMB pass 1 reads w, g, m, v and writes
 // m, v; pass 2 reads w, m, v and writes w. LARS pass 1 reads w, g; pass 2 reads w, g, v and
 // writes w, v. No parameter-sized temporary is allocated: only O(tensors + chunks) tables.
+#include <cstring>
 #include "ops.h"
 
 #include <c10/core/impl/COW.h>
@@ -302,17 +303,14 @@ FUSEDOPT_INLINE void lars_pass1_chunk(
   out[1] = g_sq.total();
 }
 
-// LARS pass 2: lars_apply (d = ratio*(g + lambda*w), momentum, w <- w - step). The two structural
-// switches of LarsCoef are made compile-time constants here so that each variant vectorizes.
-template <bool kLrInMomentum, bool kNesterov, typename W, typename G, typename P, typename T>
+// LARS pass 2: lars_apply (d = ratio*(g + lambda*w), momentum, w <- w - step).
+template <typename W, typename G, typename P, typename T>
 FUSEDOPT_INLINE void lars_pass2_chunk(
     W* __restrict__ w,        // weights, updated
     P* __restrict__ p,        // bf16/fp16 params beside fp32 masters, or unused
     const G* __restrict__ g,  // gradient, read as g * gm
     T* __restrict__ v,        // momentum buffer, updated
-    int64_t n, const T gm, LarsCoef<T> c) {
-  c.lr_in_momentum = kLrInMomentum;
-  c.nesterov = kNesterov;
+    int64_t n, const T gm, const LarsCoef<T> c) {
   for (int64_t k = 0; k < n; ++k) {
     T vk = v[k];
     const T nw = lars_apply<T>(static_cast<T>(w[k]), static_cast<T>(g[k]) * gm, vk, c);
@@ -322,15 +320,24 @@ FUSEDOPT_INLINE void lars_pass2_chunk(
   }
 }
 
-template <typename W, typename G, typename P, typename T>
-FUSEDOPT_INLINE void lars_pass2_chunk_any(W* w, P* p, const G* g, T* v, int64_t n, const T gm,
-                                          const LarsCoef<T>& c) {
+// body(c) with the two structural switches of c (lr_in_momentum, nesterov) made compile-time
+// constants in its copy of c, so that each variant's loop vectorizes (the chunk functions are
+// inlined into body).
+template <typename T, typename Body>
+FUSEDOPT_INLINE void with_lars_variant(const LarsCoef<T>& c, Body&& body) {
+  auto run = [&](auto lr_in_momentum, auto nesterov) FUSEDOPT_INLINE_LAMBDA {
+    LarsCoef<T> k = c;
+    k.lr_in_momentum = decltype(lr_in_momentum)::value;
+    k.nesterov = decltype(nesterov)::value;
+    body(k);
+  };
+  using std::bool_constant;
   if (c.lr_in_momentum) {
-    if (c.nesterov) lars_pass2_chunk<true, true>(w, p, g, v, n, gm, c);
-    else lars_pass2_chunk<true, false>(w, p, g, v, n, gm, c);
+    if (c.nesterov) run(bool_constant<true>{}, bool_constant<true>{});
+    else run(bool_constant<true>{}, bool_constant<false>{});
   } else {
-    if (c.nesterov) lars_pass2_chunk<false, true>(w, p, g, v, n, gm, c);
-    else lars_pass2_chunk<false, false>(w, p, g, v, n, gm, c);
+    if (c.nesterov) run(bool_constant<false>{}, bool_constant<true>{});
+    else run(bool_constant<false>{}, bool_constant<false>{});
   }
 }
 
@@ -356,10 +363,42 @@ FUSEDOPT_INLINE Packed<C> packed(void* data, int64_t codes_offset) {
   return {reinterpret_cast<float*>(bytes), reinterpret_cast<C*>(bytes + codes_offset)};
 }
 
-// The scale of a block whose largest value is top, or NaN when the block holds a value that is
-// not finite (check, the sum of x*0 over the block, is then NaN).
-FUSEDOPT_INLINE float block_scale(float scale, float check) {
-  return check == 0.0f ? scale : std::numeric_limits<float>::quiet_NaN();
+// The largest |x| of a block of n <= kBlock values and whether they are all finite (the sum of
+// x*0 is 0 then, NaN otherwise). Kept in lanes, elementwise, so that the loop vectorizes: a
+// reduction into one float would not without reassociation, and max and this test give the
+// same result in any order.
+struct BlockTop {
+  float top;
+  bool finite;
+};
+
+FUSEDOPT_INLINE BlockTop block_top(const float* __restrict__ x, int64_t n) {
+  float top[kLanes] = {};
+  float check[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float a = std::fabs(x[k + j]);
+      top[j] = a > top[j] ? a : top[j];
+      check[j] += x[k + j] * 0.0f;
+    }
+  }
+  for (int j = 0; k + j < n; ++j) {
+    const float a = std::fabs(x[k + j]);
+    top[j] = a > top[j] ? a : top[j];
+    check[j] += x[k + j] * 0.0f;
+  }
+  float t = 0.0f, c = 0.0f;
+  for (int j = 0; j < kLanes; ++j) {
+    t = top[j] > t ? top[j] : t;
+    c += check[j];
+  }
+  return {t, c == 0.0f};
+}
+
+// The scale stored for a block: NaN when it holds a value that is not finite (its codes are 0).
+FUSEDOPT_INLINE float block_scale(float scale, bool finite) {
+  return finite ? scale : std::numeric_limits<float>::quiet_NaN();
 }
 
 // LAMB pass 1 with bf16 moments: m rounded to nearest even, v stochastically; u from the stored
@@ -409,7 +448,6 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __res
     const int64_t len = std::min(kBlock, n - b);
     const int64_t blk = b / kQBlock;
     const float fm0 = m.scales[blk], fv0 = v.scales[blk];
-    float m_top = 0.0f, v_top = 0.0f, m_check = 0.0f, v_check = 0.0f;
     for (int64_t k = 0; k < len; ++k) {
       float mk = q8_signed_value(m.codes[b + k], fm0);
       const float sk = q8_root_value(v.codes[b + k], fv0);
@@ -417,29 +455,30 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __res
       lamb_moments<float>(static_cast<float>(g[b + k]) * gm, mk, vk, c);
       mb[k] = mk;
       vb[k] = vk;
-      const float am = std::fabs(mk);
-      m_top = am > m_top ? am : m_top;
-      v_top = vk > v_top ? vk : v_top;
-      m_check += mk * 0.0f;
-      v_check += vk * 0.0f;
+      wb[k] = static_cast<float>(w[b + k]);
     }
-    const float v_root_top = std::sqrt(v_top);
-    const float fm = block_scale(q8_signed_scale(m_top), m_check);
-    const float fv = block_scale(q8_root_scale(v_root_top), v_check);
-    const float qm = q8_signed_factor(m_top), qv = q8_root_factor(v_root_top);
-    const bool m_ok = m_check == 0.0f, v_ok = v_check == 0.0f;
+    const BlockTop mt = block_top(mb, len), vt = block_top(vb, len);
+    const float v_root_top = std::sqrt(vt.top);
+    const float fm = block_scale(q8_signed_scale(mt.top), mt.finite);
+    const float fv = block_scale(q8_root_scale(v_root_top), vt.finite);
+    // a block that is not finite stores codes 0: its factors are 0 and its scale NaN
+    const float qm = mt.finite ? q8_signed_factor(mt.top) : 0.0f;
+    const float qv = vt.finite ? q8_root_factor(v_root_top) : 0.0f;
     m.scales[blk] = fm;
     v.scales[blk] = fv;
+    int8_t* __restrict__ mc = m.codes + b;
+    uint8_t* __restrict__ vc = v.codes + b;
+    const unsigned int e0b = static_cast<unsigned int>(e0 + b);
     for (int64_t k = 0; k < len; ++k) {
-      const int8_t cm = m_ok ? q8_signed_code(mb[k], qm) : int8_t(0);
-      const uint8_t cv =
-          v_ok ? q8_root_code(std::sqrt(vb[k]), qv, sr_bits(base, e0 + b + k)) : uint8_t(0);
-      m.codes[b + k] = cm;
-      v.codes[b + k] = cv;
-      const float wk = static_cast<float>(w[b + k]);
-      wb[k] = wk;
-      ub[k] = lamb_direction_s<float>(wk, q8_signed_value(cm, fm), q8_root_value(cv, fv), c);
+      const int8_t cm = q8_signed_code(mb[k], qm);
+      const uint8_t cv = q8_root_code(std::sqrt(vb[k]), qv,
+                                      mix32(base ^ (e0b + static_cast<unsigned int>(k))));
+      mc[k] = cm;
+      vc[k] = cv;
+      ub[k] = lamb_direction_s<float>(wb[k], q8_signed_value(cm, fm), q8_root_value(cv, fv), c);
     }
+    if (!mt.finite) std::memset(mc, 0, static_cast<size_t>(len));
+    if (!vt.finite) std::memset(vc, 0, static_cast<size_t>(len));
     w_sq.add(wb, len);
     u_sq.add(ub, len);
   }
@@ -503,35 +542,33 @@ template <typename W, typename G, typename P>
 FUSEDOPT_INLINE void lars_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
                                          const G* __restrict__ g, Packed<int8_t> v, int64_t n,
                                          const float gm, const LarsCoef<float> c) {
+  alignas(64) float wb[kBlock];
   alignas(64) float db[kBlock];
   alignas(64) float vb[kBlock];
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
     const int64_t blk = b / kQBlock;
     const float f0 = v.scales[blk];
-    float top = 0.0f, check = 0.0f;
     for (int64_t k = 0; k < len; ++k) {
-      const float d = lars_direction<float>(static_cast<float>(w[b + k]),
-                                            static_cast<float>(g[b + k]) * gm, c);
-      const float vk = lars_buffer<float>(d, q8_signed_value(v.codes[b + k], f0), c);
+      const float wk = static_cast<float>(w[b + k]);
+      const float d = lars_direction<float>(wk, static_cast<float>(g[b + k]) * gm, c);
+      wb[k] = wk;
       db[k] = d;
-      vb[k] = vk;
-      const float a = std::fabs(vk);
-      top = a > top ? a : top;
-      check += vk * 0.0f;
+      vb[k] = lars_buffer<float>(d, q8_signed_value(v.codes[b + k], f0), c);
     }
-    const float f = block_scale(q8_signed_scale(top), check);
-    const float q = q8_signed_factor(top);
-    const bool ok = check == 0.0f;
+    const BlockTop t = block_top(vb, len);
+    const float f = block_scale(q8_signed_scale(t.top), t.finite);
+    const float q = t.finite ? q8_signed_factor(t.top) : 0.0f;
     v.scales[blk] = f;
+    int8_t* __restrict__ vc = v.codes + b;
     for (int64_t k = 0; k < len; ++k) {
-      const int8_t cv = ok ? q8_signed_code(vb[k], q) : int8_t(0);
-      v.codes[b + k] = cv;
-      const float nw = lars_step<float>(static_cast<float>(w[b + k]), db[k],
-                                        q8_signed_value(cv, f), c);
+      const int8_t cv = q8_signed_code(vb[k], q);
+      vc[k] = cv;
+      const float nw = lars_step<float>(wb[k], db[k], q8_signed_value(cv, f), c);
       w[b + k] = static_cast<W>(nw);
       store_param(p, b + k, nw);
     }
+    if (!t.finite) std::memset(vc, 0, static_cast<size_t>(len));
   }
 }
 
@@ -906,18 +943,19 @@ void run_lars_pass2(const CheckedLists& d, const std::vector<const void*>& grads
           P* p = pp == nullptr ? nullptr : static_cast<P*>(pp[i]) + o;
           W* w = static_cast<W*>(wp[i]) + o;
           const G* g = static_cast<const G*>(gp[i]) + o;
-          if constexpr (std::is_same_v<T, float>) {
-            if (fmt[i] == kBf16State) {
-              return lars_pass2_chunk_bf16<W, G, P>(w, p, g, static_cast<uint16_t*>(vp[i]) + o,
-                                                    ch.len, gm, coef[i]);
+          with_lars_variant(coef[i], [&](const LarsCoef<T>& c) FUSEDOPT_INLINE_LAMBDA {
+            if constexpr (std::is_same_v<T, float>) {
+              if (fmt[i] == kBf16State) {
+                return lars_pass2_chunk_bf16<W, G, P>(w, p, g, static_cast<uint16_t*>(vp[i]) + o,
+                                                      ch.len, gm, c);
+              }
+              if (fmt[i] == k8bitState) {
+                return lars_pass2_chunk_q8<W, G, P>(w, p, g, packed<int8_t>(vp[i], off[i]).at(o),
+                                                    ch.len, gm, c);
+              }
             }
-            if (fmt[i] == k8bitState) {
-              return lars_pass2_chunk_q8<W, G, P>(w, p, g, packed<int8_t>(vp[i], off[i]).at(o),
-                                                  ch.len, gm, coef[i]);
-            }
-          }
-          lars_pass2_chunk_any<W, G, P, T>(w, p, g, static_cast<T*>(vp[i]) + o, ch.len, gm,
-                                           coef[i]);
+            lars_pass2_chunk<W, G, P, T>(w, p, g, static_cast<T*>(vp[i]) + o, ch.len, gm, c);
+          });
         });
       });
     });

@@ -90,12 +90,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     "lars_b512": dict(
         label="LARS b=512", optimizer="lars", batch="large", lr=5.0, momentum=0.9,
         weight_decay=5e-4, trust_coefficient=0.001, warmup_epochs=5.0, decay="poly", power=2.0,
+        state_precision="full",
     ),
     # LAMB (You et al. 2019): betas (0.9, 0.999), eps 1e-6, weight decay 0.01 on matrices,
     # warm-up + poly decay. LR from the grid {0.002, 0.005, 0.01, 0.02, 0.05}.
     "lamb_b512": dict(
         label="LAMB b=512", optimizer="lamb", batch="large", lr=0.02, weight_decay=0.01,
         betas=(0.9, 0.999), eps=1e-6, warmup_epochs=5.0, decay="poly", power=2.0,
+        state_precision="full",
     ),
 }
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .common import Check, DemoError, Number, Pair
+from .common import Check, Choice, DemoError, Number, Pair
 
 # The MLP: 64 -> 256 -> 256 -> 10 on digits, ReLU.
 HIDDEN = (256, 256)
@@ -36,6 +36,8 @@ OPTIMIZER_SETTINGS: dict[str, Check] = dict(
     trust_coefficient=Number(0, F32_MAX, lo_open=True),
     betas=Pair(Number(0, 1, hi_open=True), "beta1, beta2"),
     eps=Number(F32_TINY, F32_MAX),
+    # LARS/LAMB moment state (docs/math.md "Low-precision state"); SGD has none to set
+    state_precision=Choice("full", "bf16", "8bit"),
 )
 
 
@@ -133,9 +135,11 @@ def make_optimizer(model: torch.nn.Module, r: dict[str, Any], lr: float):
         return torch.optim.SGD(groups, lr=lr, momentum=r["momentum"])
     if kind == "lars":
         return fusedopt.FusedLARS(groups, lr=lr, momentum=r["momentum"],
-                                  trust_coefficient=r["trust_coefficient"])
+                                  trust_coefficient=r["trust_coefficient"],
+                                  state_precision=r.get("state_precision", "full"))
     if kind == "lamb":
-        return fusedopt.FusedLAMB(groups, lr=lr, betas=tuple(r["betas"]), eps=r["eps"])
+        return fusedopt.FusedLAMB(groups, lr=lr, betas=tuple(r["betas"]), eps=r["eps"],
+                                  state_precision=r.get("state_precision", "full"))
     raise DemoError(f"unknown optimizer {kind!r}; expected one of {list(OPTIMIZERS)}")
 
 

@@ -81,11 +81,11 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     # You, Gitman, Ginsburg 2017: trust coefficient 0.001, momentum 0.9, biases excluded from
     # decay and adaptation (fusedopt.param_groups); the LR scaled linearly, as the paper does.
     "lars": dict(label="LARS", optimizer="lars", rule="linear", base_lr=1.25, momentum=0.9,
-                 weight_decay=5e-4, trust_coefficient=0.001),
+                 weight_decay=5e-4, trust_coefficient=0.001, state_precision="full"),
     # You et al. 2019: betas (0.9, 0.999), eps 1e-6, weight decay 0.01 on matrices, LR scaled
     # with the square root of the batch (the paper's rule).
     "lamb": dict(label="LAMB", optimizer="lamb", rule="sqrt", base_lr=0.007, weight_decay=0.01,
-                 betas=(0.9, 0.999), eps=1e-6),
+                 betas=(0.9, 0.999), eps=1e-6, state_precision="full"),
 }
 # base_lr: chosen at base_batch on the validation split (fewest steps to the target, as in the
 # tuning phase, tuning seed) from the factor-2 grid x {1/8, ..., 16} around the demo's tuned LR
