@@ -124,6 +124,11 @@ def check_backend_name(backend: Any) -> None:
         raise ValueError(f"Invalid backend: {backend!r}; expected one of {BACKEND_NAMES}")
 
 
+def check_maximize(maximize: Any) -> None:
+    if not isinstance(maximize, bool):
+        raise ValueError(f"Invalid maximize: {maximize!r}; expected True or False")
+
+
 def validate_lamb_group(g: dict[str, Any]) -> None:
     """Raise ValueError naming the first invalid LAMB hyper-parameter of a param group."""
     _check_lr(g["lr"])

@@ -35,6 +35,7 @@ from . import backends as _backends
 from . import lowp
 from ._bucket import Bucket, StepCache, TensorLists, bias_correction, compute_dtype, slot_of
 from ._hyper import (LAMB_DEFAULTS, LARS_DEFAULTS, LambHyper, LarsHyper, check_backend_name,
+                     check_maximize,
                      check_representable, encode, lamb_hyper, lars_hyper, validate_lamb_group,
                      validate_lars_group)
 from .flat import _dense_layout
@@ -58,6 +59,8 @@ class TensorGroup(TensorLists):
     hyper: LambHyper | LarsHyper = field(kw_only=True)
     # a backend name of fusedopt.backends.resolve, or a Backend object used as it is
     backend: str | _backends.Backend = "auto"
+    # step against the gradient's sign (torch.optim's maximize): the grads are read times -1
+    maximize: bool = False
 
 
 class SqSumReducer(Protocol):
@@ -453,14 +456,14 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
     return b
 
 
-def _prepare(kind: str, plan, has_scale: bool, has_found_inf: bool) -> None:
+def _prepare(kind: str, plan, flips: list[bool], has_scale: bool, has_found_inf: bool) -> None:
     """Every backend prepares (compiles) what this step launches, before any tensor is touched.
     A bucket whose group asked for ``"auto"`` goes to the next backend of ``backends.resolve``
     when its backend fails to compile (one warning per backend, device and dtypes); an
     explicitly requested backend raises."""
     clip = any(h.max_grad_norm is not None for h, _ in plan)
-    for h, entries in plan:
-        has_gm = has_scale or h.max_grad_norm is not None
+    for (h, entries), flip in zip(plan, flips):
+        has_gm = has_scale or h.max_grad_norm is not None or flip
         for entry in entries:
             be, b = entry
             while True:
@@ -502,16 +505,18 @@ def trust_ratio_step(
     _check_step_tensors(grad_scale, found_inf, skipped_steps)
     bound: list = []  # every [backend, bucket] of the step: each is ended, also on an error
     try:
-        plan, gis = [], []
+        plan, gis, flips = [], [], []
         for gi, g in enumerate(groups):
             if g.params:
                 entries = _buckets(kind, gi, g, cache, bound)
                 _check_hyper(kind, gi, g.hyper, entries)
                 plan.append((g.hyper, entries))
                 gis.append(gi)
+                flips.append(g.maximize)
         if not plan:
             return
-        _prepare(kind, plan, grad_scale is not None, found_inf is not None or skip_nonfinite)
+        _prepare(kind, plan, flips, grad_scale is not None,
+                 found_inf is not None or skip_nonfinite)
         if cache is not None and not torch.compiler.is_compiling():
             for gi, (_, entries) in zip(gis, plan):
                 if len(entries) != 1 or entries[0][1].writeback:
@@ -519,16 +524,18 @@ def trust_ratio_step(
                 elif entries[0][1].scratch.get("checked"):
                     be, b = entries[0]
                     cache.single[gi] = (b.slot, be, b.requested_backend, _seen(b))
-        _run(kind, plan, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps)
+        _run(kind, plan, flips, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps)
     finally:
         for be, b in bound:
             be.end(b)
 
 
-def _grad_multipliers(plan, total, grad_scale):
-    """Per-bucket ``grad_mult = 1 / (scale · c)`` as 0-dim device tensors (None when it is 1)."""
+def _grad_multipliers(plan, flips, total, grad_scale):
+    """Per-bucket ``grad_mult = ±1 / (scale · c)`` as 0-dim device tensors (None when it is 1;
+    negative for a group that maximizes: the kernels read the grads times it, so the sign costs
+    no pass of its own and gives the bits of a step on the negated grads)."""
     mults = []
-    for h, entries in plan:
+    for (h, entries), flip in zip(plan, flips):
         row = []
         for _, b in entries:
             dev = b.device
@@ -541,12 +548,15 @@ def _grad_multipliers(plan, total, grad_scale):
                     g_norm = g_norm * m  # G of the unscaled gradients
                 c = torch.clamp(g_norm / h.max_grad_norm, min=1.0)
                 m = c.reciprocal() if m is None else m / c
+            if flip:
+                m = torch.full((), -1.0, dtype=torch.float64, device=dev) if m is None else -m
             row.append(None if m is None else m.to(b.compute_dtype))
         mults.append(row)
     return mults
 
 
-def _run(kind, plan, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps) -> None:
+def _run(kind, plan, flips, grad_scale, found_inf, reducer, skip_nonfinite,
+         skipped_steps) -> None:
     total = None
     if skip_nonfinite or any(h.max_grad_norm is not None for h, _ in plan):
         dev0 = plan[0][1][0][1].device
@@ -562,7 +572,7 @@ def _run(kind, plan, grad_scale, found_inf, reducer, skip_nonfinite, skipped_ste
         bad = bad.to(torch.float32)
         found_inf = bad if found_inf is None else torch.maximum(
             found_inf.reshape(()).to(bad.device, torch.float32), bad)
-    mults = _grad_multipliers(plan, total, grad_scale)
+    mults = _grad_multipliers(plan, flips, total, grad_scale)
     hypers = [encode(h) for h, _ in plan]
     steps = [(h, hyper, be, b, gm, None if found_inf is None else
               found_inf.reshape(()).to(b.device, torch.float32))
@@ -608,6 +618,7 @@ def lamb(
     trust_ratio_bounds: tuple[float, float] | None = _D["trust_ratio_bounds"],
     decoupled_weight_decay: bool = _D["decoupled_weight_decay"],
     adapt: bool = _D["adapt"],
+    maximize: bool = False,
     backend: str = "auto",
     **step: Unpack[StepOptions],
 ) -> None:
@@ -630,7 +641,7 @@ def lamb(
                 bias_correction=bias_correction, grad_averaging=grad_averaging,
                 max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
                 decoupled_weight_decay=decoupled_weight_decay, adapt=adapt)
-    _one_group("lamb", opts, params, grads, steps, masters, backend,
+    _one_group("lamb", opts, params, grads, steps, masters, backend, maximize,
                dict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs), step)
 
 
@@ -653,6 +664,7 @@ def lars(
     lr_in_momentum: bool = _L["lr_in_momentum"],
     max_grad_norm: float | None = _L["max_grad_norm"],
     adapt: bool = _L["adapt"],
+    maximize: bool = False,
     backend: str = "auto",
     **step: Unpack[StepOptions],
 ) -> None:
@@ -662,22 +674,23 @@ def lars(
                 trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                 dampening=dampening, trust_clip=trust_clip, denominator=denominator,
                 lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt)
-    _one_group("lars", opts, params, grads, steps, masters, backend,
+    _one_group("lars", opts, params, grads, steps, masters, backend, maximize,
                dict(momentum_buffers=momentum_buffers), step)
 
 
-def _one_group(kind: str, opts: dict, params, grads, steps, masters, backend, state: dict,
-               step_args: dict) -> None:
+def _one_group(kind: str, opts: dict, params, grads, steps, masters, backend, maximize,
+               state: dict, step_args: dict) -> None:
     """:func:`lamb` / :func:`lars`: the options checked, one TensorGroup, one step."""
     unknown = sorted(set(step_args) - set(StepOptions.__annotations__))
     if unknown:
         raise TypeError(f"fusedopt.functional.{kind}() got unexpected keyword arguments {unknown}")
     (validate_lamb_group if kind == "lamb" else validate_lars_group)(opts)
     check_backend_name(backend)
+    check_maximize(maximize)
     g = TensorGroup(list(params), list(grads), list(steps),
                     masters=None if masters is None else list(masters),
                     hyper=(lamb_hyper if kind == "lamb" else lars_hyper)(opts), backend=backend,
-                    **{key: list(xs) for key, xs in state.items()})
+                    maximize=maximize, **{key: list(xs) for key, xs in state.items()})
     try:
         trust_ratio_step(kind, [g], **step_args)
     except (ValueError, TypeError, RuntimeError) as e:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
+from torch.optim.optimizer import required
 
 from . import backends as _backends
 from . import lowp
@@ -24,6 +25,7 @@ from ._hyper import (
     LAMB_DEFAULTS,
     LARS_DEFAULTS,
     check_backend_name,
+    check_maximize,
     check_lr_value,
     check_representable,
     lamb_hyper,
@@ -164,6 +166,17 @@ class _TrustRatioOptimizer(Optimizer):
         if sp != "full" and group["backend"] in ("triton", "cuda"):
             raise ValueError(f"Invalid state_precision: {sp!r} with backend={group['backend']!r}, "
                              "which holds full state only; use backend='auto', 'cpp' or 'eager'")
+        check_maximize(group["maximize"])
+        for flag in ("foreach", "fused"):
+            if group[flag] is not None and not isinstance(group[flag], bool):
+                raise ValueError(f"Invalid {flag}: {group[flag]!r}; expected None, True or False")
+        if group["fused"] and group["backend"] == "eager":
+            raise ValueError("Invalid fused: True with backend='eager' (the unfused backend); "
+                             "use backend='auto', 'cpp', 'triton' or 'cuda'")
+        if group["differentiable"] is not False:
+            raise ValueError(f"Invalid differentiable: {group['differentiable']!r}; fusedopt steps "
+                             "run without autograd (fused kernels, in place), so only False is "
+                             "accepted; differentiate through torch.optim's optimizers instead")
         mn = group["state_min_numel"]
         if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
             raise ValueError(f"Invalid state_min_numel: {mn!r}; expected an int >= 0")
@@ -171,6 +184,10 @@ class _TrustRatioOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         candidate = dict(self.defaults)
         candidate.update({k: v for k, v in param_group.items() if k != "params"})
+        for k, v in candidate.items():
+            if v is required:
+                raise ValueError(f"{type(self).__name__}: {k} is required: give {k}= or set it "
+                                 f"in every param group (this group has none)")
         self._check_options(candidate)
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -241,13 +258,17 @@ class _TrustRatioOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
-        out["state"] = {k: dict(v) for k, v in out["state"].items()}
+        # entries that are not a param's dict (opt.state["global_step"] = 1) saved as torch does
+        out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.state = OptimizerState(self.state)
-        self._option_keys = tuple(self.defaults)
+        # the constructor's options: torch's __setstate__ adds keys of its own to defaults
+        # (differentiable), which the groups must not gain (state_dict() would then differ from
+        # the one loaded)
+        self.__dict__.setdefault("_option_keys", tuple(self.defaults))
         self.__dict__.setdefault("skip_nonfinite", False)
         self.__dict__.setdefault("_reducer", None)
         if "skipped_steps" not in self.__dict__:
@@ -257,8 +278,8 @@ class _TrustRatioOptimizer(Optimizer):
         self._lock = threading.Lock()
         self._fresh()
         for group in self.param_groups:
-            for k, v in self.defaults.items():
-                group.setdefault(k, v)
+            for k in self._option_keys:
+                group.setdefault(k, self.defaults[k])
 
     def set_grad_norm_reducer(self, reducer) -> None:
         """Use ``reducer`` (a :class:`fusedopt.functional.SqSumReducer`, or None) to complete the
@@ -499,7 +520,8 @@ class _TrustRatioOptimizer(Optimizer):
             momentum_buffers=None if lamb else state[0],
             masters=None if all(map(is_, masters, repeat(None))) else masters,
             backend=group["backend"], sources=sources if sharded else None,
-            keys=torch.tensor(keys, dtype=torch.int64) if keys else None)
+            keys=torch.tensor(keys, dtype=torch.int64) if keys else None,
+            maximize=group["maximize"])
 
     def _kept_group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
         """Note [list cache]: the group's lists as the last step gathered them, with this step's
@@ -523,7 +545,7 @@ class _TrustRatioOptimizer(Optimizer):
         if (hit is not None and hit[0] == key and hit[1] is all_ps and len(hit[2]) == len(all_ps)
                 and all(map(is_, all_ps, hit[2])) and _same_dtypes(all_ps, hit[4])):
             return dataclasses.replace(
-                hit[3], hyper=self._hyper(group),
+                hit[3], hyper=self._hyper(group), maximize=group["maximize"],
                 grads=grads if with_grad is None else [x for x in grads if x is not None])
         g = self._group(group)
         if not g.sources:
@@ -761,6 +783,10 @@ class FusedLAMB(_TrustRatioOptimizer):
         state_min_numel: int = 4096,
         capturable: bool = False,
         skip_nonfinite: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -768,7 +794,8 @@ class FusedLAMB(_TrustRatioOptimizer):
             max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
             decoupled_weight_decay=decoupled_weight_decay, adapt=adapt,
             backend=backend, master_weights=master_weights, state_precision=state_precision,
-            state_min_numel=state_min_numel, capturable=capturable,
+            state_min_numel=state_min_numel, capturable=capturable, maximize=maximize,
+            foreach=foreach, fused=fused, differentiable=differentiable,
         )
         super().__init__(params, defaults, skip_nonfinite)
 
@@ -801,7 +828,7 @@ class FusedLARS(_TrustRatioOptimizer):
     def __init__(
         self,
         params,
-        lr: float | torch.Tensor,
+        lr: float | torch.Tensor = required,
         momentum: float = LARS_DEFAULTS["momentum"],
         weight_decay: float = LARS_DEFAULTS["weight_decay"],
         *,
@@ -820,6 +847,10 @@ class FusedLARS(_TrustRatioOptimizer):
         state_min_numel: int = 4096,
         capturable: bool = False,
         skip_nonfinite: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
     ):
         defaults = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -827,6 +858,7 @@ class FusedLARS(_TrustRatioOptimizer):
             dampening=dampening, trust_clip=trust_clip, denominator=denominator,
             lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt,
             backend=backend, master_weights=master_weights, state_precision=state_precision,
-            state_min_numel=state_min_numel, capturable=capturable,
+            state_min_numel=state_min_numel, capturable=capturable, maximize=maximize,
+            foreach=foreach, fused=fused, differentiable=differentiable,
         )
         super().__init__(params, defaults, skip_nonfinite)

@@ -1,0 +1,160 @@
+"""Where users meet torch.optim's conventions: maximize and the foreach/fused/differentiable flags,
+the state_dict contracts of torch's own optimizer tests (a load or deepcopy round trip gives an
+equal state_dict, entries that are not a param's dict survive), a per-group-only LARS lr."""
+import copy
+
+import pytest
+import torch
+
+import fusedopt
+from fusedopt import functional
+from helpers import backend_params
+
+pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning")
+
+
+def _make(kind, params, **kw):
+    if kind == "lamb":
+        return fusedopt.FusedLAMB(params, **kw)
+    return fusedopt.FusedLARS(params, **{"lr": 0.1, "weight_decay": 1e-4, **kw})
+
+
+def _pair(seed=0, shapes=((30, 7), (11,))):
+    gen = torch.Generator().manual_seed(seed)
+    a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    return a, [torch.nn.Parameter(p.detach().clone()) for p in a]
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_grad_norm": 0.5}, {"scaler": 1024.0}],
+                         ids=["plain", "clipped", "grad_scale"])
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_maximize_equals_the_step_on_negated_grads_bit_for_bit(kind, backend, extra):
+    extra = dict(extra)
+    scale = extra.pop("scaler", None)
+    up, down = _pair()
+    opt_up = _make(kind, up, backend=backend, maximize=True, **extra)
+    opt_down = _make(kind, down, backend=backend, **extra)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in up]
+        for p, g in zip(up, grads):
+            p.grad = g.clone() if scale is None else g * scale
+        for p, g in zip(down, grads):
+            p.grad = -g if scale is None else -g * scale
+        for o in (opt_up, opt_down):
+            if scale is not None:
+                o.grad_scale, o.found_inf = torch.tensor(scale), torch.tensor(0.0)
+            o.step()
+    for a, b in zip(up, down):
+        assert torch.equal(a, b)
+    for a, b in zip(up, down):
+        for key, x in opt_up.state[a].items():
+            assert torch.equal(x, opt_down.state[b][key]), key
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_maximize_in_the_functional_api_and_per_group(kind):
+    up, down = _pair(2)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=gen) for p in up]
+    steps = [[torch.zeros(()) for _ in up] for _ in range(2)]
+    fn = functional.lamb if kind == "lamb" else functional.lars
+    state = ([[torch.zeros_like(p) for p in up] for _ in range(2)] if kind == "lamb" else
+             [[torch.zeros_like(p) for p in up]])
+    args = {"lamb": {}, "lars": {"lr": 0.1}}[kind]
+    with torch.no_grad():
+        fn([p.data for p in up], grads, *state, steps[0], maximize=True, **args)
+    state2 = [[torch.zeros_like(p) for p in up] for _ in state]
+    with torch.no_grad():
+        fn([p.data for p in down], [-g for g in grads], *state2, steps[1], **args)
+    assert all(torch.equal(a, b) for a, b in zip(up, down))
+    with pytest.raises(ValueError, match="maximize"):
+        fn([p.data for p in up], grads, *state, steps[0], maximize=1, **args)
+    # per group: one group maximizes, the other does not
+    a, b = _pair(4)
+    opt = _make(kind, [{"params": a[:1], "maximize": True}, {"params": a[1:]}])
+    ref = _make(kind, [{"params": b[:1]}, {"params": b[1:]}])
+    g = [torch.randn(p.shape, generator=gen) for p in a]
+    a[0].grad, a[1].grad = g[0], g[1]
+    b[0].grad, b[1].grad = -g[0], g[1]
+    opt.step()
+    ref.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # toggled after steps: the kept lists follow the option
+    opt.param_groups[0]["maximize"] = False
+    a[0].grad, b[0].grad = g[0], g[0]
+    opt.step()
+    ref.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_compiled_maximize_equals_uncompiled():
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        ps, _ = _pair(5)
+        opt = fusedopt.FusedLAMB(ps, backend="cpp", maximize=True)
+        step = torch.compile(opt.step) if compiled else opt.step
+        gen = torch.Generator().manual_seed(6)
+        for t in range(3):
+            opt.param_groups[0]["lr"] = 1e-3 * (t + 1)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            step()
+        runs.append([p.detach().clone() for p in ps])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_torch_flags_are_accepted_as_torch_accepts_them(kind):
+    a, b = _pair(7)
+    opt = _make(kind, a, foreach=True, fused=True)
+    ref = _make(kind, b)
+    for p, q in zip(a, b):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    opt.step()
+    ref.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # foreach/fused change nothing
+    with pytest.raises(ValueError, match="differentiable"):
+        _make(kind, a, differentiable=True)
+    with pytest.raises(ValueError, match="fused: True with backend='eager'"):
+        _make(kind, a, fused=True, backend="eager")
+    with pytest.raises(ValueError, match="foreach"):
+        _make(kind, a, foreach="yes")
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_state_dict_round_trips_are_equal(kind):
+    """torch's TestOptimRenewed contract: load_state_dict and deepcopy give an optimizer whose
+    state_dict() equals the one it came from (no key added to the groups)."""
+    a, _ = _pair(8)
+    opt = _make(kind, a)
+    for p in a:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state["global_step"] = 7  # what schedulers and frameworks put there
+    sd = opt.state_dict()
+    assert sd["state"]["global_step"] == 7
+    twin = _make(kind, [torch.nn.Parameter(p.detach().clone()) for p in a])
+    twin.load_state_dict(copy.deepcopy(sd))
+    got = twin.state_dict()
+    assert got["param_groups"] == sd["param_groups"]
+    assert got["state"]["global_step"] == 7
+    assert twin.state["global_step"] == 7
+    clone = copy.deepcopy(opt)
+    assert clone.state_dict()["param_groups"] == sd["param_groups"]
+    for p in twin.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    twin.step()  # a non-param entry does not disturb a step
+
+
+def test_lars_lr_may_be_given_per_group_only():
+    ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    opt = fusedopt.FusedLARS([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:], "lr": 0.2}])
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
+    with pytest.raises(ValueError, match="lr is required"):
+        fusedopt.FusedLARS([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:]}])
+    with pytest.raises(ValueError, match="lr is required"):
+        fusedopt.FusedLARS(ps)
