@@ -37,10 +37,32 @@ class TolerantBuild(BuildExtension):
             os.remove(ERRORS)
         super().run()
 
+    def build_extensions(self):
+        # torch checks the host compiler and the CUDA toolkit here, before it builds any
+        # extension: a toolkit that does not match torch's CUDA must cost the CUDA extension
+        # only, and a compiler torch refuses costs the extensions, never the install
+        try:
+            super().build_extensions()
+        except Exception as e:  # noqa: BLE001 - torch's checks raise several types
+            cuda = [x for x in self.extensions if any(s.endswith(".cu") for s in x.sources)]
+            self._failed(cuda or self.extensions, e)
+            if not cuda or len(cuda) == len(self.extensions):
+                return
+            self.extensions = [x for x in self.extensions if x not in cuda]
+            try:
+                super().build_extensions()
+            except Exception as e2:  # noqa: BLE001
+                self._failed(self.extensions, e2)
+
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 - any compiler/linker failure
+            self._failed([ext], e)
+
+    @staticmethod
+    def _failed(exts, e):
+        for ext in exts:
             with open(ERRORS, "a") as f:
                 f.write(f"{ext.name}: {type(e).__name__}: {e}\n")
             print(f"fusedopt: building {ext.name} failed ({e}); that backend will be unavailable")

@@ -1,0 +1,61 @@
+"""setup.py never aborts the install over an extension: torch's own checks (host compiler, CUDA
+toolkit against torch's CUDA), which run before any extension is built, cost the CUDA extension
+only, and each failure is recorded for the backends to name."""
+import runpy
+from pathlib import Path
+
+import pytest
+import setuptools
+from setuptools import Extension
+from torch.utils.cpp_extension import BuildExtension
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tolerant(monkeypatch, tmp_path):
+    """setup.py's TolerantBuild (setup() not run) writing its error file under tmp_path."""
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)
+    monkeypatch.chdir(ROOT)
+    ns = runpy.run_path(str(ROOT / "setup.py"), run_name="fusedopt_setup_under_test")
+    cls = ns["TolerantBuild"]
+    errors = tmp_path / "errors.txt"
+    monkeypatch.setitem(cls.build_extensions.__globals__, "ERRORS", str(errors))
+    return cls, errors
+
+
+def _build(cls, extensions):
+    b = cls.__new__(cls)  # the distutils command machinery is not needed for build_extensions
+    b.extensions = list(extensions)
+    return b
+
+
+def test_a_cuda_toolkit_mismatch_costs_the_cuda_extension_only(tolerant, monkeypatch):
+    cls, errors = tolerant
+    cpu = Extension("fusedopt._C", ["csrc/cpu/ops.cpp"])
+    cuda = Extension("fusedopt._cuda", ["csrc/cuda/lamb.cu"])
+    built = []
+
+    def torch_build_extensions(self):
+        if any(s.endswith(".cu") for x in self.extensions for s in x.sources):
+            raise RuntimeError("The detected CUDA version (13.0) mismatches the version that was "
+                               "used to compile PyTorch (12.8)")
+        built.extend(x.name for x in self.extensions)
+
+    monkeypatch.setattr(BuildExtension, "build_extensions", torch_build_extensions)
+    _build(cls, [cpu, cuda]).build_extensions()
+    assert built == ["fusedopt._C"]
+    text = errors.read_text()
+    assert "fusedopt._cuda: RuntimeError: The detected CUDA version" in text
+    assert "fusedopt._C" not in text
+
+
+def test_a_refused_compiler_is_recorded_not_raised(tolerant, monkeypatch):
+    cls, errors = tolerant
+
+    def refuse(self):
+        raise OSError("g++ 4.8 is not supported")
+
+    monkeypatch.setattr(BuildExtension, "build_extensions", refuse)
+    _build(cls, [Extension("fusedopt._C", ["csrc/cpu/ops.cpp"])]).build_extensions()
+    assert errors.read_text().startswith("fusedopt._C: OSError: g++ 4.8")
