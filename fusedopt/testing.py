@@ -595,6 +595,11 @@ def _eager_run(cache: RunCache, cs: CaseSet, case: OptionCase, device, dtype: Dt
     return cache.get("eager", (str(device), cs, case, dtype), make)
 
 
+def _takes_grad_of_another_dtype() -> bool:
+    """Whether this torch lets a param hold a grad of another dtype (``Tensor.grad_dtype``)."""
+    return hasattr(torch.nn.Parameter(torch.zeros(1)), "grad_dtype")
+
+
 def run_case(case: OptionCase, backend: str, device, dtype: DtypeCase,
              case_set: CaseSet | str = "full", cache: RunCache | None = None) -> CaseResult:
     """Runs ``case`` on ``backend`` for ``device`` and ``dtype`` over the shapes and steps of
@@ -609,6 +614,9 @@ def run_case(case: OptionCase, backend: str, device, dtype: DtypeCase,
     be = _backends.get_backend(backend)
     why = (be.unavailable_reason(device, dtype.param, dtype.grad) if be is not None
            else f"backend {backend!r} is not available: {_backends.load_error(backend)}")
+    if why is None and dtype.grad != dtype.param and not _takes_grad_of_another_dtype():
+        why = (f"torch {torch.__version__} refuses a {dtype.grad} grad for a {dtype.param} "
+               "param (torch >= 2.10 takes it: Tensor.grad_dtype)")
     if why is not None:
         result.status, result.detail = "skip", str(why)
         return result

@@ -175,3 +175,15 @@ def test_triton_rows_under_the_interpreter():
     assert rows and all(r[1] == "triton" and r[5] == "pass" for r in rows), proc.stdout
     assert {r[2] for r in rows} == {"LAMB", "LARS"}
     assert "Triton's interpreter" in proc.stdout
+
+
+def test_a_torch_that_refuses_grads_of_another_dtype_skips_those_rows(monkeypatch):
+    """torch before 2.10 refuses a bf16 grad for an fp32 param: the row says so as a skip, not an
+    ERROR that would fail the whole check."""
+    from fusedopt import testing
+
+    monkeypatch.setattr(testing, "_takes_grad_of_another_dtype", lambda: False)
+    case = next(c for c in testing.OPTION_CASES if c.kind == "lamb")
+    r = testing.run_case(case, "eager", "cpu", testing.dtype_case("fp32,grad=bf16"), "quick")
+    assert r.status == "skip" and "refuses a torch.bfloat16 grad" in r.detail
+    assert testing.run_case(case, "eager", "cpu", testing.dtype_case("fp32"), "quick").status == "pass"
