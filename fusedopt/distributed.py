@@ -199,6 +199,7 @@ class ShardedNormReducer:
         self._mesh_dims = {m: tuple(sorted(d)) for m, d in meshes.items()}
 
         self._layouts = layouts
+        self._consts: dict[tuple, torch.Tensor] = {}  # see _const
         self._primary = {i: lay.primary(self._mesh_dims[lay.mesh]) for i, lay in distinct.items()
                          if lay.shard_dims and lay.coord is not None}
 
@@ -261,10 +262,21 @@ class ShardedNormReducer:
                 per_mesh[mesh].append((k, idx, keep))
         for mesh, selections in per_mesh.items():
             if selections:
-                _reduce_rows(sums, selections, mesh, self._mesh_dims[mesh])
+                _reduce_rows(sums, selections, mesh, self._mesh_dims[mesh], self._consts)
 
 
-def _reduce_rows(sums, selections, mesh, dims) -> None:
+def _const(consts: dict, values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, made once per reducer and layout: a copy from a
+    Python list at every step would be a pageable host-to-device upload (a host sync) and
+    cannot be captured in a CUDA graph."""
+    key = (tuple(values), dtype, device)
+    t = consts.get(key)
+    if t is None:
+        t = consts[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
+
+
+def _reduce_rows(sums, selections, mesh, dims, consts: dict) -> None:
     """Stack the selected rows of several ``sums`` tensors (zeroing those this rank does not
     count), all-reduce them once, and write the totals back in place."""
     dtype = torch.float64 if any(sums[k].dtype == torch.float64 for k, _, _ in selections) \
@@ -273,10 +285,10 @@ def _reduce_rows(sums, selections, mesh, dims) -> None:
     parts, index = [], []
     for k, idx, keep in selections:
         s = sums[k]
-        ix = None if len(idx) == s.shape[0] else torch.tensor(idx, device=s.device)
+        ix = None if len(idx) == s.shape[0] else _const(consts, idx, torch.int64, s.device)
         part = (s if ix is None else s.index_select(0, ix)).to(dev, dtype)
         if not all(keep):
-            part = part * torch.tensor(keep, dtype=dtype, device=dev).unsqueeze(1)
+            part = part * _const(consts, keep, dtype, dev).unsqueeze(1)
         parts.append(part)
         index.append((k, ix))
     flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
