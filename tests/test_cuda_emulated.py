@@ -170,7 +170,8 @@ class BucketPtrs(ctypes.Structure):
                 ("weight_dtype", ctypes.c_int32), ("grads", ctypes.c_void_p),
                 ("grad_dtype", ctypes.c_int32), ("state1", ctypes.c_void_p),
                 ("state2", ctypes.c_void_p), ("params", ctypes.c_void_p),
-                ("param_dtype", ctypes.c_int32), ("steps", ctypes.c_void_p)]
+                ("param_dtype", ctypes.c_int32), ("steps", ctypes.c_void_p),
+                ("formats", ctypes.c_void_p), ("keys", ctypes.c_void_p)]
 
 
 def _c_fields(cls) -> list:
@@ -369,6 +370,8 @@ class Lists:
     params: list | None
     steps: list
     grad_dtype: torch.dtype | None = None
+    formats: list | None = None  # BucketPtrs.formats (StateFormat per tensor; None: nullptr)
+    keys: list | None = None     # BucketPtrs.keys (None: nullptr)
 
     @property
     def n(self):
@@ -386,7 +389,9 @@ class Lists:
         """The BucketPtrs of these lists; `keep` holds the arrays it points into."""
         arrays = [(ctypes.c_int64 * self.n)(*self.numel), _ptr_array(self.weights),
                   _ptr_array(self.grads), _ptr_array(self.state1), _ptr_array(self.state2),
-                  _ptr_array(self.params), _ptr_array(self.steps)]
+                  _ptr_array(self.params), _ptr_array(self.steps),
+                  None if self.formats is None else (ctypes.c_uint8 * self.n)(*self.formats),
+                  None if self.keys is None else (ctypes.c_int64 * self.n)(*self.keys)]
         keep += arrays
         addr = [None if a is None else ctypes.addressof(a) for a in arrays]
         wd = DTYPE_CODE[self.weights[0].dtype]
@@ -395,7 +400,7 @@ class Lists:
             grad_dtype=DTYPE_CODE[self.grad_dtype] if self.grads is not None else wd,
             state1=addr[3], state2=addr[4], params=addr[5],
             param_dtype=DTYPE_CODE[self.params[0].dtype] if self.params is not None else wd,
-            steps=addr[6])
+            steps=addr[6], formats=addr[7], keys=addr[8])
 
 
 def lamb_hyper(group: dict, lr) -> LambHyperC:

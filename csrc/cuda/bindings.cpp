@@ -1,8 +1,10 @@
 // CUDA implementations of the torch.ops.fusedopt.* operators (schemas in csrc/cpu/register.cpp,
 // argument conventions in csrc/cpu/ops.h), and the (empty) Python module fusedopt._cuda whose
 // import registers them. This file checks the tensors, turns them into raw pointers and calls the
-// launchers of launch.h on the current stream; it never reads a tensor value on the host, so a
-// step neither synchronizes nor copies anything between host and device.
+// launchers of launch.h on the current stream; it never reads a device tensor's value on the
+// host, so a step neither synchronizes nor copies anything between host and device. (The keys of
+// LAMB's stochastic rounding, read when some state is low-precision, are a CPU tensor as the
+// optimizers pass them.)
 #include <Python.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../cpu/ops.h"
@@ -57,9 +60,46 @@ at::ScalarType check_list(at::TensorList ts, at::TensorList weights, const char*
   return checks::check_list<OnBucketDevice>(ts, weights, name);
 }
 
-void check_state(at::TensorList ts, at::TensorList weights, at::ScalarType compute,
-                 const char* name) {
-  checks::check_state<OnBucketDevice>(ts, weights, compute, name);
+// The state lists of a pass (the second may be empty: LARS), each tensor in any state format
+// (Note [state formats] in fusedopt/math.h), both moments of a weight in the same one; returns
+// the formats.
+std::vector<unsigned char> check_states(at::TensorList a, at::TensorList b,
+                                        at::TensorList weights, at::ScalarType compute,
+                                        const char* name_a, const char* name_b) {
+  std::vector<unsigned char> formats, formats_b;
+  checks::check_state_formats<OnBucketDevice>(a, weights, compute, name_a, formats);
+  if (name_b == nullptr) return formats;
+  checks::check_state_formats<OnBucketDevice>(b, weights, compute, name_b, formats_b);
+  for (size_t i = 0; i < formats.size(); ++i) {
+    TORCH_CHECK(formats[i] == formats_b[i], kWho, "the two moments of weight ", i,
+                " are stored in different formats (", a[i].scalar_type(), " and ",
+                b[i].scalar_type(), "); Note [state formats]");
+  }
+  return formats;
+}
+
+bool any_low_precision(const std::vector<unsigned char>& formats) {
+  for (unsigned char f : formats) {
+    if (f != kFullState) return true;
+  }
+  return false;
+}
+
+// The keys of the random bits of LAMB's stochastic rounding (one per weight; None: the index),
+// read on the host: a CPU tensor, as the optimizers pass them (a device tensor is copied, which
+// synchronizes). Only read when some state is low-precision.
+std::vector<int64_t> read_keys(const std::optional<at::Tensor>& keys, int64_t n) {
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  if (!keys.has_value()) {
+    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = i;
+    return out;
+  }
+  const at::Tensor k = keys->to(at::kCPU, at::kLong).contiguous();
+  TORCH_CHECK(k.numel() == n, kWho, "keys must hold one key per weight (", n, "), got ",
+              k.numel());
+  const int64_t* p = k.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = p[i];
+  return out;
 }
 
 void check_steps(at::TensorList steps, at::TensorList weights) {
@@ -111,9 +151,14 @@ struct Pointers {
     return p;
   }
 
+  std::vector<unsigned char> formats;  // of the state (Note [state formats]), or empty: full
+  std::vector<int64_t> keys;           // of the random bits, or empty: the indices
+
   Pointers(at::TensorList w, at::TensorList g, at::TensorList s1, at::TensorList s2,
-           at::TensorList p, at::TensorList st)
-      : weights(of(w)), grads(of(g)), state1(of(s1)), state2(of(s2)), params(of(p)) {
+           at::TensorList p, at::TensorList st, std::vector<unsigned char> f = {},
+           std::vector<int64_t> k = {})
+      : weights(of(w)), grads(of(g)), state1(of(s1)), state2(of(s2)), params(of(p)),
+        formats(std::move(f)), keys(std::move(k)) {
     numel.resize(w.size());
     steps.resize(st.size());
     for (size_t i = 0; i < w.size(); ++i) numel[i] = w[i].numel();
@@ -129,6 +174,8 @@ struct Pointers {
     b.params = p.empty() ? nullptr : params.data();
     b.param_dtype = p.empty() ? b.weight_dtype : to_dtype(p[0].scalar_type(), "params");
     b.steps = steps.data();
+    b.formats = any_low_precision(formats) ? formats.data() : nullptr;
+    b.keys = b.formats != nullptr && !keys.empty() ? keys.data() : nullptr;
   }
 };
 
@@ -252,16 +299,21 @@ at::Tensor lamb_pass1(at::TensorList weights, at::TensorList grads, at::TensorLi
                       at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& hyper,
                       const std::optional<at::Tensor>& grad_mult,
                       const std::optional<at::Tensor>& found_inf,
-                      const std::optional<at::Tensor>& /*keys: full-precision state only*/) {
+                      const std::optional<at::Tensor>& keys) {
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
   check_list(grads, weights, "grads");
-  check_state(exp_avgs, weights, compute, "exp_avgs");
-  check_state(exp_avg_sqs, weights, compute, "exp_avg_sqs");
+  std::vector<unsigned char> formats =
+      check_states(exp_avgs, exp_avg_sqs, weights, compute, "exp_avgs", "exp_avg_sqs");
   check_steps(steps, weights);
   const c10::Device device = weights[0].device();
   const LambHyper h = lamb_hyper(hyper);
   const DeviceScalars s = device_scalars(grad_mult, found_inf, std::nullopt, compute, device);
-  const Pointers p(weights, grads, exp_avgs, exp_avg_sqs, {}, steps);
+  std::vector<int64_t> key_values;
+  if (any_low_precision(formats)) {
+    key_values = read_keys(keys, static_cast<int64_t>(weights.size()));
+  }
+  const Pointers p(weights, grads, exp_avgs, exp_avg_sqs, {}, steps, std::move(formats),
+                   std::move(key_values));
   return run_pass1(p, compute, device, weights[0], "lamb_pass1",
                    [&](void* sums, void* partials, cudaStream_t stream) {
                      return launch_lamb_pass1(p.b, h, s, sums, partials, stream);
@@ -274,13 +326,13 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
                 const std::optional<at::Tensor>& found_inf) {
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
   if (!params.empty()) check_list(params, weights, "params");
-  check_state(exp_avgs, weights, compute, "exp_avgs");
-  check_state(exp_avg_sqs, weights, compute, "exp_avg_sqs");
+  std::vector<unsigned char> formats =
+      check_states(exp_avgs, exp_avg_sqs, weights, compute, "exp_avgs", "exp_avg_sqs");
   check_steps(steps, weights);
   const c10::Device device = weights[0].device();
   const LambHyper h = lamb_hyper(hyper);
   const DeviceScalars s = device_scalars(std::nullopt, found_inf, lr, compute, device);
-  const Pointers p(weights, {}, exp_avgs, exp_avg_sqs, params, steps);
+  const Pointers p(weights, {}, exp_avgs, exp_avg_sqs, params, steps, std::move(formats));
   run_pass2(p, sums, compute, device, "lamb_pass2", [&](const void* s2, cudaStream_t stream) {
     return launch_lamb_pass2(p.b, h, s, s2, stream);
   });
@@ -310,12 +362,13 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
   const at::ScalarType compute = compute_dtype(check_list(weights, weights, "weights"));
   check_list(grads, weights, "grads");
   if (!params.empty()) check_list(params, weights, "params");
-  check_state(momentum_buffers, weights, compute, "momentum_buffers");
+  std::vector<unsigned char> formats =
+      check_states(momentum_buffers, {}, weights, compute, "momentum_buffers", nullptr);
   check_steps(steps, weights);
   const c10::Device device = weights[0].device();
   const LarsHyper h = lars_hyper(hyper);
   const DeviceScalars s = device_scalars(grad_mult, found_inf, lr, compute, device);
-  const Pointers p(weights, grads, momentum_buffers, {}, params, steps);
+  const Pointers p(weights, grads, momentum_buffers, {}, params, steps, std::move(formats));
   run_pass2(p, sums, compute, device, "lars_pass2", [&](const void* s2, cudaStream_t stream) {
     return launch_lars_pass2(p.b, h, s, s2, stream);
   });

@@ -11,28 +11,44 @@
 // uses too and that its tests exercise on the host against the float64 reference. The functors
 // only load, call the math, accumulate and store (lars.cu's pass 1 also forms the vector whose
 // norm it needs). Their launchers are launch_pass1 / launch_pass2 of multi_tensor_apply.cuh.
-#include "multi_tensor_apply.cuh"
+//
+// Low-precision state (docs/math.md "Low-precision state"): a bucket that holds some launches the
+// functors with kLowp, which read each tensor's format from the state row (Note [state rows] in
+// lowp.cuh) and run, per chunk, the full-state code or that of its format, with the rounded
+// float32 operations of math.h (Note [rounded operations]): bf16 moments (m to nearest even, v
+// stochastically with sr_bits of the element), or 8-bit blocks (Note [8-bit blocks on CUDA]).
+// Pass 1 computes u from the values it stored and pass 2 from the same stored values, as
+// csrc/cpu/ops.cpp does (lamb_pass1_chunk_bf16 / _q8, lamb_pass2_chunk_bf16 / _q8), element for
+// element the same operations.
+#include "lowp.cuh"
 
 namespace fusedopt {
 namespace cuda {
 namespace {
 
-// Pass 1 of one chunk. Table rows: w, g, m, v, step.
-template <typename T, typename W, typename G>
-struct LambPass1 {
-  enum Row { kW, kG, kM, kV, kStep, kRows };
+// Pass 1 of one chunk. Table rows: w, g, m, v, step[, state row (kLowp)].
+template <typename T, typename W, typename G, bool kLowp>
+struct LambPass1Of {
+  static_assert(!kLowp || std::is_same<T, float>::value, "low-precision state is float32 math");
+  enum Row { kW, kG, kM, kV, kStep, kState, kRows = kLowp ? kState + 1 : kState };
   static constexpr int N = ilp_for<T, W, G>();
   struct Scalars {
     LambCoef<T> c;
     T gm;
+    unsigned int base;     // sr_base of the new step count and the tensor's key (kLowp)
+    unsigned char format;  // StateFormat of the tensor's moments
   };
   LambHyper h;
   const T* grad_mult;      // 0-dim or nullptr
   const float* found_inf;  // 0-dim or nullptr
   T* partials;             // [chunks, 2] workspace
 
-  static TableRows<kRows> rows(const BucketPtrs& b) {
-    return {{b.weights, b.grads, b.state1, b.state2, step_row(b)}};
+  static TableRows<kRows> rows(const BucketPtrs& b, void* const* state) {
+    if constexpr (kLowp) {
+      return {{b.weights, b.grads, b.state1, b.state2, step_row(b), state}};
+    } else {
+      return {{b.weights, b.grads, b.state1, b.state2, step_row(b)}};
+    }
   }
 
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
@@ -43,54 +59,194 @@ struct LambPass1 {
         // pass 1 uses the new t; the reduction stores it after every chunk (Note [step counts in
         // reduce_kernel] in multi_tensor_apply.cuh)
         const float step = *static_cast<const float*>(t.ptrs[kStep][slot]) + 1.0f;
-        return Scalars{lamb_coef<T>(h, step), grad_mult != nullptr ? *grad_mult : T(1)};
-      });
-      const W* w = chunk_ptr<const W>(t, kW, slot, begin);
-      const G* g = chunk_ptr<const G>(t, kG, slot, begin);
-      T* m = chunk_ptr<T>(t, kM, slot, begin);
-      T* v = chunk_ptr<T>(t, kV, slot, begin);
-      for_each_group<N>(count, all_aligned(w, g, m, v), [&](int off, int n, bool vec) {
-        T wr[N], gr[N], mr[N], vr[N];
-        load_group(wr, w, off, n, vec);
-        load_group(gr, g, off, n, vec);
-        load_group(mr, m, off, n, vec);
-        load_group(vr, v, off, n, vec);
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          lamb_moments<T>(gr[k] * sc.gm, mr[k], vr[k], sc.c);
-          const T u = lamb_direction<T>(wr[k], mr[k], vr[k], sc.c);
-          if (k < n) {
-            acc[0] += wr[k] * wr[k];
-            acc[1] += u * u;
-          }
+        Scalars s{lamb_coef<T>(h, step), grad_mult != nullptr ? *grad_mult : T(1), 0u,
+                  kFullState};
+        if constexpr (kLowp) {
+          s.format = slot_format(t, kState, slot);
+          if (s.format != kFullState) s.base = sr_base(step, slot_key(t, kState, slot));
         }
-        store_group(m, mr, off, n, vec);
-        store_group(v, vr, off, n, vec);
+        return s;
       });
+      if constexpr (kLowp) {
+        if (sc.format == kBf16State) {
+          bf16_chunk(t, slot, begin, count, sc, acc);
+        } else if (sc.format == k8bitState) {
+          q8_chunk(t, slot, begin, count, sc, acc);
+        } else {
+          full_chunk(t, slot, begin, count, sc, acc);
+        }
+      } else {
+        full_chunk(t, slot, begin, count, sc, acc);
+      }
     }
     write_partials(acc, partials, row);
   }
+
+  __device__ __forceinline__ void full_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
+                                             int count, const Scalars& sc, T (&acc)[2]) const {
+    const W* w = chunk_ptr<const W>(t, kW, slot, begin);
+    const G* g = chunk_ptr<const G>(t, kG, slot, begin);
+    T* m = chunk_ptr<T>(t, kM, slot, begin);
+    T* v = chunk_ptr<T>(t, kV, slot, begin);
+    for_each_group<N>(count, all_aligned(w, g, m, v), [&](int off, int n, bool vec) {
+      T wr[N], gr[N], mr[N], vr[N];
+      load_group(wr, w, off, n, vec);
+      load_group(gr, g, off, n, vec);
+      load_group(mr, m, off, n, vec);
+      load_group(vr, v, off, n, vec);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        lamb_moments<T>(gr[k] * sc.gm, mr[k], vr[k], sc.c);
+        const T u = lamb_direction<T>(wr[k], mr[k], vr[k], sc.c);
+        if (k < n) {
+          acc[0] += wr[k] * wr[k];
+          acc[1] += u * u;
+        }
+      }
+      store_group(m, mr, off, n, vec);
+      store_group(v, vr, off, n, vec);
+    });
+  }
+
+  // bf16 moments (16-bit words): m rounded to nearest even, v stochastically with the bits of its
+  // element; u from the stored values.
+  __device__ __forceinline__ void bf16_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
+                                             int count, const Scalars& sc,
+                                             float (&acc)[2]) const {
+    constexpr int M = ilp_for<float, W, G, unsigned short>();
+    const W* w = chunk_ptr<const W>(t, kW, slot, begin);
+    const G* g = chunk_ptr<const G>(t, kG, slot, begin);
+    unsigned short* m = chunk_ptr<unsigned short>(t, kM, slot, begin);
+    unsigned short* v = chunk_ptr<unsigned short>(t, kV, slot, begin);
+    for_each_group<M>(count, all_aligned(w, g, m, v), [&](int off, int n, bool vec) {
+      float wr[M], gr[M];
+      unsigned short mr[M], vr[M];
+      load_group(wr, w, off, n, vec);
+      load_group(gr, g, off, n, vec);
+      load_group(mr, m, off, n, vec);
+      load_group(vr, v, off, n, vec);
+#pragma unroll
+      for (int k = 0; k < M; ++k) {
+        float mk = bf16_value(mr[k]);
+        float vk = bf16_value(vr[k]);
+        lamb_moments_rn(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
+        mr[k] = bf16_rne(mk);
+        vr[k] = bf16_stochastic(vk, sr_bits(sc.base, begin + off + k));
+        const float u = lamb_direction_rn(wr[k], bf16_value(mr[k]), bf16_value(vr[k]), sc.c);
+        if (k < n) {
+          acc[0] += wr[k] * wr[k];
+          acc[1] += u * u;
+        }
+      }
+      store_group(m, mr, off, n, vec);
+      store_group(v, vr, off, n, vec);
+    });
+  }
+
+  // 8-bit moments, a block per warp (Note [8-bit blocks on CUDA]): the stored values read and
+  // updated, the block's largest |m| and v found (block_tops), its scales and codes written (v's
+  // stochastically), u from the values just stored.
+  __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
+                                           int count, const Scalars& sc, float (&acc)[2]) const {
+    constexpr int L = kLaneElems;
+    const W* w = chunk_ptr<const W>(t, kW, slot, begin);
+    const G* g = chunk_ptr<const G>(t, kG, slot, begin);
+    const Packed<signed char> m = chunk_packed<signed char>(t, kM, slot, begin);
+    const Packed<unsigned char> v = chunk_packed<unsigned char>(t, kV, slot, begin);
+    const bool vec = all_aligned(w, g);
+    const bool vec8 = all_aligned8(m.codes, v.codes);
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    for_each_q8_slice(count, [&](int round, int q, int off, int n) {
+      const bool whole = n == L;
+      float wr[L], gr[L], mr[L], vr[L];
+      signed char mc[L];
+      unsigned char vc[L];
+      load_group(wr, w, off, n, vec && whole);
+      load_group(gr, g, off, n, vec && whole);
+      load_codes(mc, m.codes, off, n, vec8 && whole);
+      load_codes(vc, v.codes, off, n, vec8 && whole);
+      const float fm0 = n > 0 ? m.scales[q] : 0.0f;
+      const float fv0 = n > 0 ? v.scales[q] : 0.0f;
+      float top[2] = {0.0f, 0.0f};
+      bool finite[2] = {true, true};
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        float mk = q8_signed_value(mc[k], fm0);
+        const float sk = q8_root_value(vc[k], fv0);
+        float vk = mul_rn(sk, sk);
+        lamb_moments_rn(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
+        mr[k] = mk;
+        vr[k] = vk;
+        if (k < n) {
+          lane_top(mk, top[0], finite[0]);
+          lane_top(vk, top[1], finite[1]);
+        }
+      }
+      // every lane has read the block's old scales: lane 0 may write the new ones below
+      block_tops<2>(top, finite, round);
+      const float v_root_top = sqrt_rn(top[1]);
+      const float fm = block_scale(q8_signed_scale(top[0]), finite[0]);
+      const float fv = block_scale(q8_root_scale(v_root_top), finite[1]);
+      const float qm = q8_signed_factor(top[0]);
+      const float qv = q8_root_factor(v_root_top);
+      if (lane0 && n > 0) {
+        m.scales[q] = fm;
+        v.scales[q] = fv;
+      }
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        // a block that is not finite stores codes 0 (and reads as NaN through its scale)
+        mc[k] = finite[0] ? q8_signed_code(mr[k], qm) : static_cast<signed char>(0);
+        vc[k] = finite[1] ? q8_root_code(sqrt_rn(vr[k]), qv, sr_bits(sc.base, begin + off + k))
+                          : static_cast<unsigned char>(0);
+        const float u = lamb_direction_s_rn(wr[k], q8_signed_value(mc[k], fm),
+                                            q8_root_value(vc[k], fv), sc.c);
+        if (k < n) {
+          acc[0] += wr[k] * wr[k];
+          acc[1] += u * u;
+        }
+      }
+      store_codes(m.codes, mc, off, n, vec8 && whole);
+      store_codes(v.codes, vc, off, n, vec8 && whole);
+    });
+  }
 };
 
-// Pass 2 of one chunk. Table rows: w, m, v, [param,] step.
-template <typename T, typename W, typename P>
+template <typename T, typename W, typename G>
+using LambPass1 = LambPass1Of<T, W, G, false>;
+template <typename T, typename W, typename G>
+using LambPass1Lowp = LambPass1Of<T, W, G, true>;
+
+// Pass 2 of one chunk. Table rows: w, m, v, [param,] step[, state row (kLowp)].
+template <typename T, typename W, typename P, bool kLowp>
 struct LambPass2 {
+  static_assert(!kLowp || std::is_same<T, float>::value, "low-precision state is float32 math");
   static constexpr bool kHasParam = !std::is_same<P, NoParam>::value;
-  enum Row { kW, kM, kV, kP, kStep = kHasParam ? 4 : 3, kRows = kStep + 1 };
+  enum Row {
+    kW, kM, kV, kP,
+    kStep = kHasParam ? 4 : 3,
+    kState,
+    kRows = kLowp ? kState + 1 : kState
+  };
   static constexpr int N = kHasParam ? ilp_for<T, W, P>() : ilp_for<T, W>();
   struct Scalars {
     LambCoef<T> c;
     T lr_phi;  // lr * phi
     T decay;   // 1 - lr*lambda (decoupled) or 1
+    unsigned char format;
   };
   LambHyper h;
   const T* sums;           // [n, 2] from pass 1 (possibly all-reduced)
   const float* found_inf;  // 0-dim or nullptr
   const double* lr;        // 0-dim or nullptr
 
-  static TableRows<kRows> rows(const BucketPtrs& b) {
-    if constexpr (kHasParam) {
+  static TableRows<kRows> rows(const BucketPtrs& b, void* const* state) {
+    if constexpr (kHasParam && kLowp) {
+      return {{b.weights, b.state1, b.state2, b.params, step_row(b), state}};
+    } else if constexpr (kHasParam) {
       return {{b.weights, b.state1, b.state2, b.params, step_row(b)}};
+    } else if constexpr (kLowp) {
+      return {{b.weights, b.state1, b.state2, step_row(b), state}};
     } else {
       return {{b.weights, b.state1, b.state2, step_row(b)}};
     }
@@ -104,14 +260,25 @@ struct LambPass2 {
       const int64_t i = t.index[slot];
       const double lr_value = lr != nullptr ? *lr : h.lr;
       const T phi = lamb_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], h);
-      return Scalars{lamb_coef<T>(h, step), static_cast<T>(lr_value) * phi,
-                     lamb_decay<T>(h, lr_value)};
+      unsigned char format = kFullState;
+      if constexpr (kLowp) format = slot_format(t, kState, slot);
+      T decay;
+      if constexpr (kLowp) {
+        decay = format != kFullState ? lamb_decay_rn(h, lr_value) : lamb_decay<T>(h, lr_value);
+      } else {
+        decay = lamb_decay<T>(h, lr_value);
+      }
+      return Scalars{lamb_coef<T>(h, step), static_cast<T>(lr_value) * phi, decay, format};
     });
     W* w = chunk_ptr<W>(t, kW, slot, begin);
-    const T* m = chunk_ptr<const T>(t, kM, slot, begin);
-    const T* v = chunk_ptr<const T>(t, kV, slot, begin);
     P* p = nullptr;
     if constexpr (kHasParam) p = chunk_ptr<P>(t, kP, slot, begin);
+    if constexpr (kLowp) {
+      if (sc.format == kBf16State) return bf16_chunk(t, slot, begin, count, sc, w, p);
+      if (sc.format == k8bitState) return q8_chunk(t, slot, begin, count, sc, w, p);
+    }
+    const T* m = chunk_ptr<const T>(t, kM, slot, begin);
+    const T* v = chunk_ptr<const T>(t, kV, slot, begin);
     const bool aligned = kHasParam ? all_aligned(w, m, v, p) : all_aligned(w, m, v);
     for_each_group<N>(count, aligned, [&](int off, int n, bool vec) {
       T wr[N], mr[N], vr[N];
@@ -127,22 +294,91 @@ struct LambPass2 {
       if constexpr (kHasParam) store_group(p, wr, off, n, vec);
     });
   }
+
+  // bf16 moments: u from the stored values (pass 1's u, bit for bit).
+  __device__ __forceinline__ void bf16_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
+                                             int count, const Scalars& sc, W* w, P* p) const {
+    constexpr int M = kHasParam ? ilp_for<float, W, P, unsigned short>()
+                                : ilp_for<float, W, unsigned short>();
+    const unsigned short* m = chunk_ptr<const unsigned short>(t, kM, slot, begin);
+    const unsigned short* v = chunk_ptr<const unsigned short>(t, kV, slot, begin);
+    const bool aligned = kHasParam ? all_aligned(w, m, v, p) : all_aligned(w, m, v);
+    for_each_group<M>(count, aligned, [&](int off, int n, bool vec) {
+      float wr[M];
+      unsigned short mr[M], vr[M];
+      load_group(wr, w, off, n, vec);
+      load_group(mr, m, off, n, vec);
+      load_group(vr, v, off, n, vec);
+#pragma unroll
+      for (int k = 0; k < M; ++k) {
+        const float u = lamb_direction_rn(wr[k], bf16_value(mr[k]), bf16_value(vr[k]), sc.c);
+        wr[k] = lamb_apply_rn(wr[k], u, sc.lr_phi, sc.decay);
+      }
+      store_group(w, wr, off, n, vec);
+      if constexpr (kHasParam) store_group(p, wr, off, n, vec);
+    });
+  }
+
+  // 8-bit moments, 8 elements of a block per lane (Note [8-bit blocks on CUDA]; nothing is
+  // reduced here, so no lane waits for another).
+  __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
+                                           int count, const Scalars& sc, W* w, P* p) const {
+    constexpr int L = kLaneElems;
+    const Packed<signed char> m = chunk_packed<signed char>(t, kM, slot, begin);
+    const Packed<unsigned char> v = chunk_packed<unsigned char>(t, kV, slot, begin);
+    const bool vec = kHasParam ? all_aligned(w, p) : all_aligned(w);
+    const bool vec8 = all_aligned8(m.codes, v.codes);
+    for_each_q8_slice(count, [&](int, int q, int off, int n) {
+      if (n == 0) return;
+      const bool whole = n == L;
+      float wr[L];
+      signed char mc[L];
+      unsigned char vc[L];
+      load_group(wr, w, off, n, vec && whole);
+      load_codes(mc, m.codes, off, n, vec8 && whole);
+      load_codes(vc, v.codes, off, n, vec8 && whole);
+      const float fm = m.scales[q], fv = v.scales[q];
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        const float u = lamb_direction_s_rn(wr[k], q8_signed_value(mc[k], fm),
+                                            q8_root_value(vc[k], fv), sc.c);
+        wr[k] = lamb_apply_rn(wr[k], u, sc.lr_phi, sc.decay);
+      }
+      store_group(w, wr, off, n, vec && whole);
+      if constexpr (kHasParam) store_group(p, wr, off, n, vec && whole);
+    });
+  }
 };
+
+template <bool kLowp>
+cudaError_t lamb_pass2_of(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
+                          const void* sums, cudaStream_t stream, void* const* state) {
+  return launch_pass2</*kReadsGrads=*/false, kLowp>(
+      b, stream,
+      [&](auto c_tag, auto w_tag, auto p_tag) {
+        using C = typename decltype(c_tag)::type;
+        using Op = LambPass2<C, typename decltype(w_tag)::type, typename decltype(p_tag)::type,
+                             kLowp>;
+        return Op{h, static_cast<const C*>(sums), s.found_inf, s.lr};
+      },
+      state);
+}
 
 }  // namespace
 
 cudaError_t launch_lamb_pass1(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
                               void* sums, void* partials, cudaStream_t stream) {
-  return launch_pass1<LambPass1>(b, h, s, sums, partials, stream);
+  if (!has_low_precision(b)) return launch_pass1<LambPass1>(b, h, s, sums, partials, stream);
+  const std::vector<void*> state = state_row(b);
+  return launch_pass1<LambPass1Lowp, /*kFloat32Only=*/true>(b, h, s, sums, partials, stream,
+                                                            state.data());
 }
 
 cudaError_t launch_lamb_pass2(const BucketPtrs& b, const LambHyper& h, const DeviceScalars& s,
                               const void* sums, cudaStream_t stream) {
-  return launch_pass2</*kReadsGrads=*/false>(b, stream, [&](auto c_tag, auto w_tag, auto p_tag) {
-    using C = typename decltype(c_tag)::type;
-    using Op = LambPass2<C, typename decltype(w_tag)::type, typename decltype(p_tag)::type>;
-    return Op{h, static_cast<const C*>(sums), s.found_inf, s.lr};
-  });
+  if (!has_low_precision(b)) return lamb_pass2_of<false>(b, h, s, sums, stream, nullptr);
+  const std::vector<void*> state = state_row(b);
+  return lamb_pass2_of<true>(b, h, s, sums, stream, state.data());
 }
 
 }  // namespace cuda

@@ -9,7 +9,14 @@
 // fusedopt/math.h (lars_trust_ratio, lars_coef, lars_apply): see Note [shared math] in lamb.cu.
 // The only arithmetic written here is the quantity whose norm pass 1 needs (g, or g + lambda*w,
 // the same expression as lars_apply's d before the ratio).
-#include "multi_tensor_apply.cuh"
+//
+// Low-precision state (docs/math.md "Low-precision state"): pass 1 reads no state; pass 2 of a
+// bucket that holds some runs LarsPass2 with kLowp, which reads each tensor's format from the state
+// row (Note [state rows] in lowp.cuh): a bf16 buffer rounded to nearest even, or an 8-bit one in
+// blocks (Note [8-bit blocks on CUDA]), with the rounded float32 operations of math.h (Note
+// [rounded operations]), element for element the operations of csrc/cpu/ops.cpp
+// (lars_pass2_chunk_bf16 / _q8).
+#include "lowp.cuh"
 
 namespace fusedopt {
 namespace cuda {
@@ -26,7 +33,7 @@ struct LarsPass1 {
   const float* found_inf;  // 0-dim or nullptr
   T* partials;             // [chunks, 2] workspace
 
-  static TableRows<kRows> rows(const BucketPtrs& b) {
+  static TableRows<kRows> rows(const BucketPtrs& b, void* const*) {
     return {{b.weights, b.grads, step_row(b)}};
   }
 
@@ -58,15 +65,22 @@ struct LarsPass1 {
   }
 };
 
-// Pass 2 of one chunk. Table rows: w, g, momentum buffer, [param,] step.
-template <typename T, typename W, typename G, typename P>
+// Pass 2 of one chunk. Table rows: w, g, momentum buffer, [param,] step[, state row (kLowp)].
+template <typename T, typename W, typename G, typename P, bool kLowp>
 struct LarsPass2 {
+  static_assert(!kLowp || std::is_same<T, float>::value, "low-precision state is float32 math");
   static constexpr bool kHasParam = !std::is_same<P, NoParam>::value;
-  enum Row { kW, kG, kBuf, kP, kStep = kHasParam ? 4 : 3, kRows = kStep + 1 };
+  enum Row {
+    kW, kG, kBuf, kP,
+    kStep = kHasParam ? 4 : 3,
+    kState,
+    kRows = kLowp ? kState + 1 : kState
+  };
   static constexpr int N = kHasParam ? ilp_for<T, W, G, P>() : ilp_for<T, W, G>();
   struct Scalars {
     LarsCoef<T> c;
     T gm;
+    unsigned char format;
   };
   LarsHyper h;
   const T* sums;           // [n, 2] from pass 1 (possibly all-reduced)
@@ -74,9 +88,13 @@ struct LarsPass2 {
   const float* found_inf;  // 0-dim or nullptr
   const double* lr;        // 0-dim or nullptr
 
-  static TableRows<kRows> rows(const BucketPtrs& b) {
-    if constexpr (kHasParam) {
+  static TableRows<kRows> rows(const BucketPtrs& b, void* const* state) {
+    if constexpr (kHasParam && kLowp) {
+      return {{b.weights, b.grads, b.state1, b.params, step_row(b), state}};
+    } else if constexpr (kHasParam) {
       return {{b.weights, b.grads, b.state1, b.params, step_row(b)}};
+    } else if constexpr (kLowp) {
+      return {{b.weights, b.grads, b.state1, step_row(b), state}};
     } else {
       return {{b.weights, b.grads, b.state1, step_row(b)}};
     }
@@ -89,15 +107,28 @@ struct LarsPass2 {
       LarsHyper hl = h;
       if (lr != nullptr) hl.lr = *lr;
       const int64_t i = t.index[slot];
-      const T ratio = lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
+      unsigned char format = kFullState;
+      if constexpr (kLowp) format = slot_format(t, kState, slot);
+      T ratio;
+      if constexpr (kLowp) {
+        ratio = format != kFullState ? lars_trust_ratio_rn(sums[2 * i], sums[2 * i + 1], hl)
+                                     : lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
+      } else {
+        ratio = lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
+      }
       const float step = *static_cast<const float*>(t.ptrs[kStep][slot]);
-      return Scalars{lars_coef<T>(hl, ratio, step), grad_mult != nullptr ? *grad_mult : T(1)};
+      return Scalars{lars_coef<T>(hl, ratio, step), grad_mult != nullptr ? *grad_mult : T(1),
+                     format};
     });
     W* w = chunk_ptr<W>(t, kW, slot, begin);
     const G* g = chunk_ptr<const G>(t, kG, slot, begin);
-    T* buf = chunk_ptr<T>(t, kBuf, slot, begin);
     P* p = nullptr;
     if constexpr (kHasParam) p = chunk_ptr<P>(t, kP, slot, begin);
+    if constexpr (kLowp) {
+      if (sc.format == kBf16State) return bf16_chunk(t, slot, begin, count, sc, w, g, p);
+      if (sc.format == k8bitState) return q8_chunk(t, slot, begin, count, sc, w, g, p);
+    }
+    T* buf = chunk_ptr<T>(t, kBuf, slot, begin);
     const bool aligned = kHasParam ? all_aligned(w, g, buf, p) : all_aligned(w, g, buf);
     for_each_group<N>(count, aligned, [&](int off, int n, bool vec) {
       T wr[N], gr[N], vr[N];
@@ -111,7 +142,92 @@ struct LarsPass2 {
       if constexpr (kHasParam) store_group(p, wr, off, n, vec);
     });
   }
+
+  // A bf16 buffer (16-bit words): the new buffer rounded to nearest even, the step from it.
+  __device__ __forceinline__ void bf16_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
+                                             int count, const Scalars& sc, W* w, const G* g,
+                                             P* p) const {
+    constexpr int M = kHasParam ? ilp_for<float, W, G, P, unsigned short>()
+                                : ilp_for<float, W, G, unsigned short>();
+    unsigned short* buf = chunk_ptr<unsigned short>(t, kBuf, slot, begin);
+    const bool aligned = kHasParam ? all_aligned(w, g, buf, p) : all_aligned(w, g, buf);
+    for_each_group<M>(count, aligned, [&](int off, int n, bool vec) {
+      float wr[M], gr[M];
+      unsigned short vr[M];
+      load_group(wr, w, off, n, vec);
+      load_group(gr, g, off, n, vec);
+      load_group(vr, buf, off, n, vec);
+#pragma unroll
+      for (int k = 0; k < M; ++k) {
+        const float d = lars_direction_rn(wr[k], mul_rn(gr[k], sc.gm), sc.c);
+        vr[k] = bf16_rne(lars_buffer_rn(d, bf16_value(vr[k]), sc.c));
+        wr[k] = lars_step_rn(wr[k], d, bf16_value(vr[k]), sc.c);
+      }
+      store_group(buf, vr, off, n, vec);
+      store_group(w, wr, off, n, vec);
+      if constexpr (kHasParam) store_group(p, wr, off, n, vec);
+    });
+  }
+
+  // An 8-bit buffer, a block per warp (Note [8-bit blocks on CUDA]): the new buffer, the block's
+  // largest |value| (block_tops), its scale and codes (the signed map, to nearest), the step
+  // from the values stored.
+  __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
+                                           int count, const Scalars& sc, W* w, const G* g,
+                                           P* p) const {
+    constexpr int L = kLaneElems;
+    const Packed<signed char> buf = chunk_packed<signed char>(t, kBuf, slot, begin);
+    const bool vec = kHasParam ? all_aligned(w, g, p) : all_aligned(w, g);
+    const bool vec8 = all_aligned8(buf.codes);
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    for_each_q8_slice(count, [&](int round, int q, int off, int n) {
+      const bool whole = n == L;
+      float wr[L], gr[L], dr[L], vr[L];
+      signed char vc[L];
+      load_group(wr, w, off, n, vec && whole);
+      load_group(gr, g, off, n, vec && whole);
+      load_codes(vc, buf.codes, off, n, vec8 && whole);
+      const float f0 = n > 0 ? buf.scales[q] : 0.0f;
+      float top[1] = {0.0f};
+      bool finite[1] = {true};
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        dr[k] = lars_direction_rn(wr[k], mul_rn(gr[k], sc.gm), sc.c);
+        vr[k] = lars_buffer_rn(dr[k], q8_signed_value(vc[k], f0), sc.c);
+        if (k < n) lane_top(vr[k], top[0], finite[0]);
+      }
+      // every lane has read the block's old scale: lane 0 may write the new one below
+      block_tops<1>(top, finite, round);
+      const float f = block_scale(q8_signed_scale(top[0]), finite[0]);
+      const float qf = q8_signed_factor(top[0]);
+      if (lane0 && n > 0) buf.scales[q] = f;
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        // a block that is not finite stores codes 0 (and reads as NaN through its scale)
+        vc[k] = finite[0] ? q8_signed_code(vr[k], qf) : static_cast<signed char>(0);
+        wr[k] = lars_step_rn(wr[k], dr[k], q8_signed_value(vc[k], f), sc.c);
+      }
+      store_codes(buf.codes, vc, off, n, vec8 && whole);
+      store_group(w, wr, off, n, vec && whole);
+      if constexpr (kHasParam) store_group(p, wr, off, n, vec && whole);
+    });
+  }
 };
+
+template <bool kLowp>
+cudaError_t lars_pass2_of(const BucketPtrs& b, const LarsHyper& h, const DeviceScalars& s,
+                          const void* sums, cudaStream_t stream, void* const* state) {
+  return launch_pass2</*kReadsGrads=*/true, kLowp>(
+      b, stream,
+      [&](auto c_tag, auto w_tag, auto g_tag, auto p_tag) {
+        using C = typename decltype(c_tag)::type;
+        using Op = LarsPass2<C, typename decltype(w_tag)::type, typename decltype(g_tag)::type,
+                             typename decltype(p_tag)::type, kLowp>;
+        return Op{h, static_cast<const C*>(sums), static_cast<const C*>(s.grad_mult),
+                  s.found_inf, s.lr};
+      },
+      state);
+}
 
 }  // namespace
 
@@ -122,14 +238,9 @@ cudaError_t launch_lars_pass1(const BucketPtrs& b, const LarsHyper& h, const Dev
 
 cudaError_t launch_lars_pass2(const BucketPtrs& b, const LarsHyper& h, const DeviceScalars& s,
                               const void* sums, cudaStream_t stream) {
-  return launch_pass2</*kReadsGrads=*/true>(
-      b, stream, [&](auto c_tag, auto w_tag, auto g_tag, auto p_tag) {
-        using C = typename decltype(c_tag)::type;
-        using Op = LarsPass2<C, typename decltype(w_tag)::type, typename decltype(g_tag)::type,
-                             typename decltype(p_tag)::type>;
-        return Op{h, static_cast<const C*>(sums), static_cast<const C*>(s.grad_mult), s.found_inf,
-                  s.lr};
-      });
+  if (!has_low_precision(b)) return lars_pass2_of<false>(b, h, s, sums, stream, nullptr);
+  const std::vector<void*> state = state_row(b);
+  return lars_pass2_of<true>(b, h, s, sums, stream, state.data());
 }
 
 }  // namespace cuda

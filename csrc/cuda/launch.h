@@ -45,6 +45,13 @@ struct BucketPtrs {
   void* const* params;   // bf16/fp16 params written beside fp32 masters in pass 2, else nullptr
   DType param_dtype;
   float* const* steps;   // 0-dim float32 step counts
+  // Note [state formats] in fusedopt/math.h: the StateFormat of each param's state (host array
+  // [n]; bf16 state as 16-bit words, 8-bit state packed as q8_packed_numel bytes), or nullptr:
+  // all full (the compute dtype). Low-precision state needs float32 compute.
+  const unsigned char* formats;
+  // The key of each param's random bits (LAMB pass 1: sr_base of its step count and key; host
+  // array [n]), or nullptr: its index in the lists.
+  const int64_t* keys;
 };
 
 // Scalars of a step that stay on the device: the kernels read them, the host never does.

@@ -458,7 +458,9 @@ cudaError_t dispatch_param_out(const BucketPtrs& b, const F& f) {
 // ------------------------------------------------------------------------- pass launchers
 
 // The bucket's lists in the row order of a pass functor (Note [tensor table]): every functor of
-// lamb.cu and lars.cu has a `static TableRows<kRows> rows(const BucketPtrs&)` naming them.
+// lamb.cu and lars.cu has a `static TableRows<kRows> rows(const BucketPtrs&, void* const* state)`
+// naming them (state: the state row of Note [state rows] in lowp.cuh, used by the functors of
+// low-precision state).
 template <int kRows>
 struct TableRows {
   void* const* lists[kRows];
@@ -469,42 +471,56 @@ inline void* const* step_row(const BucketPtrs& b) {
 }
 
 // Pass 1 of LAMB and LARS: Pass1<C, W, G>{h, grad_mult, found_inf, partials} (C, W, G from
-// dispatch_weights_and_grads) over the bucket's tables; the reduction writes the two per-tensor
-// sums of squares to sums [n, 2] and advances the step counts of row Pass1::kStep.
-template <template <typename, typename, typename> class Pass1, typename H>
+// dispatch_weights_and_grads) over the bucket's tables, whose rows are Pass1::rows(b, state)
+// (state: the state row of Note [state rows] in lowp.cuh, or nullptr); the reduction writes the
+// two per-tensor sums of squares to sums [n, 2] and advances the step counts of row Pass1::kStep.
+// kFloat32Only: Pass1 exists for float32 math only (low-precision state); float64 weights are
+// cudaErrorNotSupported.
+template <template <typename, typename, typename> class Pass1, bool kFloat32Only = false,
+          typename H>
 cudaError_t launch_pass1(const BucketPtrs& b, const H& h, const DeviceScalars& s, void* sums,
-                         void* partials, cudaStream_t stream) {
+                         void* partials, cudaStream_t stream, void* const* state = nullptr) {
   return dispatch_weights_and_grads(b, [&](auto c_tag, auto w_tag, auto g_tag) {
     using C = typename decltype(c_tag)::type;
-    using Op = Pass1<C, typename decltype(w_tag)::type, typename decltype(g_tag)::type>;
-    const Op op{h, static_cast<const C*>(s.grad_mult), s.found_inf, static_cast<C*>(partials)};
-    const TableRows<Op::kRows> rows = Op::rows(b);
-    return run_pass_with_norms<2, Op::kStep>(b.n, b.numel, rows.lists, op,
-                                              static_cast<const C*>(partials),
-                                              static_cast<C*>(sums), s.found_inf, stream);
+    if constexpr (kFloat32Only && !std::is_same<C, float>::value) {
+      return cudaErrorNotSupported;
+    } else {
+      using Op = Pass1<C, typename decltype(w_tag)::type, typename decltype(g_tag)::type>;
+      const Op op{h, static_cast<const C*>(s.grad_mult), s.found_inf, static_cast<C*>(partials)};
+      const TableRows<Op::kRows> rows = Op::rows(b, state);
+      return run_pass_with_norms<2, Op::kStep>(b.n, b.numel, rows.lists, op,
+                                                static_cast<const C*>(partials),
+                                                static_cast<C*>(sums), s.found_inf, stream);
+    }
   });
 }
 
 // Pass 2 of LAMB and LARS: the functor make(Tag<C>{}, Tag<W>{}, [Tag<G>{},] Tag<P>{}) returns,
-// over the bucket's tables. All float64 (grads float64, no params), or float32 math for
-// float32/float16/bfloat16 weights with P from dispatch_param_out; with kReadsGrads, G is the
-// grads' type from dispatch_grad for the params' storage type (P beside masters, else W).
-template <bool kReadsGrads, typename Make>
-cudaError_t launch_pass2(const BucketPtrs& b, cudaStream_t stream, const Make& make) {
+// over the bucket's tables (rows Op::rows(b, state), as in launch_pass1). All float64 (grads
+// float64, no params), or float32 math for float32/float16/bfloat16 weights with P from
+// dispatch_param_out; with kReadsGrads, G is the grads' type from dispatch_grad for the params'
+// storage type (P beside masters, else W). kFloat32Only: as in launch_pass1.
+template <bool kReadsGrads, bool kFloat32Only = false, typename Make>
+cudaError_t launch_pass2(const BucketPtrs& b, cudaStream_t stream, const Make& make,
+                         void* const* state = nullptr) {
   auto run = [&](auto... tags) {
     const auto op = make(tags...);
     using Op = std::remove_const_t<decltype(op)>;
-    const TableRows<Op::kRows> rows = Op::rows(b);
+    const TableRows<Op::kRows> rows = Op::rows(b, state);
     return run_pass(b.n, b.numel, rows.lists, op, stream);
   };
   if (b.weight_dtype == DType::kFloat64) {
-    if ((kReadsGrads && b.grad_dtype != DType::kFloat64) || b.params != nullptr) {
+    if constexpr (kFloat32Only) {
       return cudaErrorNotSupported;
-    }
-    if constexpr (kReadsGrads) {
-      return run(Tag<double>{}, Tag<double>{}, Tag<double>{}, Tag<NoParam>{});
     } else {
-      return run(Tag<double>{}, Tag<double>{}, Tag<NoParam>{});
+      if ((kReadsGrads && b.grad_dtype != DType::kFloat64) || b.params != nullptr) {
+        return cudaErrorNotSupported;
+      }
+      if constexpr (kReadsGrads) {
+        return run(Tag<double>{}, Tag<double>{}, Tag<double>{}, Tag<NoParam>{});
+      } else {
+        return run(Tag<double>{}, Tag<double>{}, Tag<NoParam>{});
+      }
     }
   }
   return dispatch_fp32_compute(b.weight_dtype, [&](auto w_tag) {

@@ -355,4 +355,127 @@ FUSEDOPT_HD float q8_root_value(unsigned char c, float f) {
   return bits_float(static_cast<unsigned int>(c + kRootOffset) << 19) * f;
 }
 
+// Note [rounded operations]: the float32 operations of the low-precision paths, one IEEE rounding
+// (to nearest even) each, also on a GPU. nvcc contracts a*b + c into a fused multiply-add by
+// default, and --use_fast_math would make division and square root approximate; the __f*_rn
+// intrinsics are never contracted nor approximated. The host spelling is the plain operator,
+// which the C++ builds do not contract (-ffp-contract=off), so each function below equals, bit
+// for bit on the host, the function of this header whose name it extends with _rn, and the CUDA
+// kernels store the bits that the cpp backend stores (csrc/cuda/lowp.cuh).
+FUSEDOPT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+FUSEDOPT_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+FUSEDOPT_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+FUSEDOPT_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+FUSEDOPT_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+FUSEDOPT_HD double dmul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+FUSEDOPT_HD double dsub_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// lamb_moments, lamb_direction_s, lamb_direction, lamb_apply and lamb_decay in float32 with
+// rounded operations (Note [rounded operations]).
+FUSEDOPT_HD void lamb_moments_rn(float g, float& m, float& v, const LambCoef<float>& c) {
+  m = add_rn(mul_rn(c.beta1, m), mul_rn(c.beta3, g));
+  v = add_rn(mul_rn(c.beta2, v), mul_rn(mul_rn(c.one_minus_beta2, g), g));
+}
+
+FUSEDOPT_HD float lamb_direction_s_rn(float w, float m, float s, const LambCoef<float>& c) {
+  return add_rn(div_rn(mul_rn(m, c.r1), add_rn(mul_rn(s, c.r2), c.eps)),
+                mul_rn(c.lambda_in_u, w));
+}
+
+FUSEDOPT_HD float lamb_direction_rn(float w, float m, float v, const LambCoef<float>& c) {
+  return lamb_direction_s_rn(w, m, sqrt_rn(v), c);
+}
+
+FUSEDOPT_HD float lamb_apply_rn(float w, float u, float lr_phi, float decay) {
+  return sub_rn(mul_rn(w, decay), mul_rn(lr_phi, u));
+}
+
+FUSEDOPT_HD float lamb_decay_rn(const LambHyper& h, double lr) {
+  return h.decoupled ? static_cast<float>(dsub_rn(1.0, dmul_rn(lr, h.weight_decay))) : 1.0f;
+}
+
+// lars_trust_ratio, lars_direction, lars_buffer and lars_step in float32 with rounded operations.
+FUSEDOPT_HD float lars_trust_ratio_rn(float w_sq, float g_sq, const LarsHyper& h) {
+  if (!h.adapt) return 1.0f;
+  const float w_n = sqrt_rn(w_sq);
+  const float g_n = sqrt_rn(g_sq);
+  const float eps = static_cast<float>(h.eps);
+  const float den = h.combined
+                        ? add_rn(g_n, eps)
+                        : add_rn(add_rn(g_n, mul_rn(static_cast<float>(h.weight_decay), w_n)), eps);
+  float ratio = zero_norm_rule<float>(
+      w_n, g_n, div_rn(mul_rn(static_cast<float>(h.trust_coefficient), w_n), den));
+  if (h.trust_clip && ratio > 1.0f) ratio = 1.0f;
+  return ratio;
+}
+
+FUSEDOPT_HD float lars_direction_rn(float w, float g, const LarsCoef<float>& c) {
+  return mul_rn(c.ratio, add_rn(g, mul_rn(c.lambda, w)));
+}
+
+FUSEDOPT_HD float lars_buffer_rn(float d, float v, const LarsCoef<float>& c) {
+  return add_rn(mul_rn(c.keep, v), mul_rn(c.add, d));
+}
+
+FUSEDOPT_HD float lars_step_rn(float w, float d, float v, const LarsCoef<float>& c) {
+  float step;
+  if (c.lr_in_momentum) {
+    step = c.nesterov ? add_rn(mul_rn(c.lr, d), mul_rn(c.mu, v)) : v;
+  } else {
+    step = c.nesterov ? mul_rn(c.lr, add_rn(d, mul_rn(c.mu, v))) : mul_rn(c.lr, v);
+  }
+  return sub_rn(w, step);
+}
+
+// Whether x is finite, as the sum of x*0 over a block tests it (0 for finite x, NaN otherwise).
+FUSEDOPT_HD bool finite_rn(float x) { return mul_rn(x, 0.0f) == 0.0f; }
+
 }  // namespace fusedopt

@@ -12,7 +12,10 @@ the device by the reduction, and ``grad_mult`` / ``found_inf`` / a tensor ``lr``
 kernels through pointers, so ``step()`` never synchronizes with the host.
 
 The per-element math is ``csrc/fusedopt/math.h``, the header the CPU backend compiles too (its
-tests check it on the host against the float64 reference).
+tests check it on the host against the float64 reference). Low-precision state (``bf16`` and
+``8bit``, per tensor, mixed in one launch) is stored bit for bit as the cpp backend stores it
+(``tests/test_cuda_lowp.py`` checks it under the SIMT emulation); the keys of LAMB's stochastic
+rounding are read on the host from the bucket's CPU ``keys`` tensor.
 
 ``fusedopt._cuda`` is imported when this backend is first constructed; when it was not built (a CPU
 build of torch, no nvcc) or does not load, the constructor raises ImportError with guidance, which
@@ -31,7 +34,9 @@ class CudaBackend(CppBackend):
     """The C++ backend's operators and passes; the CUDA kernels behind them and CUDA's dtype rules."""
 
     name = "cuda"
-    state_formats = ("full",)  # the CUDA kernels hold fp32 state only
+    # docs/math.md "Low-precision state": bit-identical to the cpp backend's formats (Note [rounded
+    # operations] in csrc/fusedopt/math.h, csrc/cuda/lowp.cuh)
+    state_formats = ("full", "bf16", "8bit")
 
     def __init__(self):
         super().__init__()  # fusedopt._C: the operator schemas and fakes

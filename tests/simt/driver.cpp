@@ -82,6 +82,7 @@ int32_t simt_table_capacity(int32_t rows) {
     case 3: return capacity<3>();
     case 4: return capacity<4>();
     case 5: return capacity<5>();
+    case 6: return capacity<6>();
     default: return -1;
   }
 }
@@ -102,6 +103,8 @@ int32_t simt_layout(int64_t* out, int32_t cap) {
       offsetof(BucketPtrs, params),
       offsetof(BucketPtrs, param_dtype),
       offsetof(BucketPtrs, steps),
+      offsetof(BucketPtrs, formats),
+      offsetof(BucketPtrs, keys),
       sizeof(LambHyper),
       offsetof(LambHyper, lr),
       offsetof(LambHyper, beta1),
