@@ -510,21 +510,6 @@ def test_flatten_parameters_with_8bit_state():
     assert opts[1].state[next(twin.parameters())]["exp_avg"].dtype == torch.uint8
 
 
-def test_fused_step_with_8bit_state_allocates_no_parameter_sized_temporaries():
-    big = 1 << 20
-    params = [torch.nn.Parameter(torch.randn(big)), torch.nn.Parameter(torch.randn(7, 3))]
-    for kind in ("lamb", "lars"):
-        opt = _opt(kind, params, "cpp", "8bit")
-        for _ in range(2):
-            for p in params:
-                p.grad = torch.randn_like(p)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                        profile_memory=True) as prof:
-                opt.step()
-        allocs = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
-        assert allocs and max(allocs) < 64 * 1024, max(allocs)
-
-
 def test_a_changed_state_precision_applies_at_load_state_dict():
     """The option decides the format of state when it is made, and at load_state_dict, which
     converts: changing it on a running optimizer and reloading its own state dict converts."""

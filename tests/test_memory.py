@@ -35,6 +35,15 @@ def test_fused_step_allocates_only_small_tables(kind, backend, dtype):
     assert largest < 64 * 1024, f"largest allocation inside step(): {largest} bytes"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_low_precision_state_allocates_only_small_tables(kind, precision):
+    """The 8-bit passes hold one block of each moment in float32 at a time (docs/math.md,
+    "Low-precision state"): extra memory grows with the blocks in flight, not the tensor size."""
+    largest = _step_allocations(kind, "cpp", state_precision=precision)
+    assert largest < 64 * 1024, f"largest allocation inside step(): {largest} bytes"
+
+
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_eager_step_does_allocate_parameter_sized_temporaries(kind):
     """The contrast that shows the measurement sees such temporaries when they exist."""
