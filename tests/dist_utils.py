@@ -200,6 +200,27 @@ def scenario_fsdp2(ctx, name: str, backend: str):
                 local_numels=local_numels, state_types=state_types)
 
 
+def scenario_fsdp2_low_precision(ctx, kind: str, backend: str):
+    """Low-precision state on FSDP2 shards (docs/math.md "Low-precision state"): "8bit" is
+    stored as bf16 on a DTensor shard (8-bit blocks would follow the shard's memory, not the
+    tensor's), and training follows one process with bf16 state to bf16 accuracy (the random
+    bits of LAMB's v follow the element's index in the local shard)."""
+    base = OPT_CASES[kind]
+    kw = dict(base[1], state_precision="8bit", state_min_numel=0)
+    rank = ctx["rank"]
+    model = fsdp2_model(ctx["mesh"])
+    opt = make_opt(base[0], groups(model, base[2]), kw, backend)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+        opt.step()
+    ref = train_reference(base[0], dict(kw, state_precision="bf16"), base[2], backend)
+    key = "exp_avg" if base[0] == "lamb" else "momentum_buffer"
+    dtypes = sorted({str(st[key].to_local().dtype) for st in opt.state.values()})
+    return dict(err=rel_err([full(p) for p in model.parameters()], ref), state_dtypes=dtypes)
+
+
 def scenario_clip_sensitivity(ctx, backend: str):
     """How much the single-process result moves when the clipping norm is off by sqrt(2) (the error
     of forgetting the other rank's half of the gradient): the equivalence tests can see it."""
@@ -558,6 +579,9 @@ def scenarios(backends: list[str]):
             out.append((f"fsdp2-{be}-{name}", scenario_fsdp2, (name, be)))
         out.append((f"clip_sensitivity-{be}", scenario_clip_sensitivity, (be,)))
         out.append((f"fsdp2_state_dict-{be}", scenario_fsdp2_state_dict, (be,)))
+        for kind in ("lamb", "lars"):
+            out.append((f"fsdp2_low_precision-{be}-{kind}", scenario_fsdp2_low_precision,
+                        (kind, be)))
         for kind in ("lamb", "lars"):
             out.append((f"mixed_placements-{be}-{kind}", scenario_mixed_placements, (kind, be)))
         out.append((f"mesh_2d-{be}", scenario_mesh_2d, (be,)))
