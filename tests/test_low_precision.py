@@ -524,3 +524,39 @@ def test_a_changed_state_precision_applies_at_load_state_dict():
     assert opt.state[params[2]]["exp_avg"].dtype == torch.float32  # below state_min_numel
     opt.step()
     assert float(opt.state[params[0]]["step"]) == 4
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's single-process and deprecation notes
+def test_distributed_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
+    """torch.distributed.checkpoint (one process): the packed 8-bit tensors are saved and loaded
+    through get/set_optimizer_state_dict, and the run continues bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8))
+              for _ in range(2)]
+    x = torch.randn(16, 64)
+
+    def make(model):
+        return _opt("lamb", list(model.parameters()), "cpp", "8bit", state_min_numel=1000)
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    opt = make(models[0])
+    for _ in range(2):
+        step(models[0], opt)
+    dcp.save({"optim": get_optimizer_state_dict(models[0], opt)}, checkpoint_id=str(tmp_path))
+    models[1].load_state_dict(models[0].state_dict())
+    twin = make(models[1])
+    sd = get_optimizer_state_dict(models[1], twin)
+    dcp.load({"optim": sd}, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(models[1], twin, sd)
+    assert twin.state[models[1][0].weight]["exp_avg"].dtype == torch.uint8
+    step(models[0], opt)
+    step(models[1], twin)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
