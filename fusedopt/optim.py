@@ -163,9 +163,6 @@ class _TrustRatioOptimizer(Optimizer):
         if not isinstance(sp, str) or sp not in lowp.FORMATS:
             raise ValueError(f"Invalid state_precision: {sp!r}; expected one of "
                              f"{', '.join(map(repr, lowp.FORMATS))}")
-        if sp != "full" and group["backend"] == "triton":
-            raise ValueError(f"Invalid state_precision: {sp!r} with backend={group['backend']!r}, "
-                             "which holds full state only; use backend='auto', 'cpp' or 'eager'")
         check_maximize(group["maximize"])
         for flag in ("foreach", "fused"):
             if group[flag] is not None and not isinstance(group[flag], bool):

@@ -441,8 +441,6 @@ def test_state_formats_follow_the_options():
     assert dt == [torch.uint8, torch.float32, torch.float32, torch.bfloat16]
     with pytest.raises(ValueError, match="state_precision"):
         fusedopt.FusedLAMB(ps, state_precision="int4")
-    with pytest.raises(ValueError, match="state_precision.*triton"):
-        fusedopt.FusedLAMB(ps, state_precision="8bit", backend="triton")
     with pytest.raises(ValueError, match="state_min_numel"):
         fusedopt.FusedLARS(ps, lr=0.1, state_min_numel=-1)
     with pytest.raises(ValueError, match="float64"):

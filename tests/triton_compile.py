@@ -19,6 +19,8 @@ of a step (``step_axes``) are
   that ``TritonBackend.unavailable_reason`` accepts on a CUDA device, with and without fp32
   masters where the optimizer keeps them (``fusedopt.optim._LOW_PRECISION``);
 * the bucket's layout: two tensors, both 16-byte aligned, both misaligned, or one of each;
+* the state format of the two tensors (docs/math.md, "Low-precision state"): full, bf16, 8-bit,
+  or one 8-bit and one bf16 (float64 params keep full state, the only one they take);
 * with and without ``grad_scale`` and ``found_inf`` (GradScaler's protocol);
 * every field of ``LambHyper`` / ``LarsHyper`` that selects code: each ``bool`` field both ways,
   ``max_grad_norm`` None or a number, ``lr`` a number or a 0-dim tensor of each dtype the
@@ -134,11 +136,17 @@ def _hyper_axes(kind: str, lr_dtypes) -> tuple[object, dict]:
     return base, axes
 
 
-def _bucket_tensors(p_dtype, g_dtype, master: bool, layout: str):
+STATES = ("full", "bf16", "8bit", "mixed")  # the state formats of a bucket's two tensors
+
+
+def _bucket_tensors(p_dtype, g_dtype, master: bool, layout: str, state: str = "full"):
     """Lists for a Bucket of two 5-element tensors: 16-byte aligned ("aligned"), starting one
-    element into their storage ("misaligned"), or one of each ("mixed")."""
+    element into their storage ("misaligned"), or one of each ("mixed"); their state in the
+    format ``state`` (docs/math.md, "Low-precision state"; "mixed": 8-bit and bf16), full state
+    for float64 params, which hold no other."""
     import torch
 
+    from fusedopt import lowp
     from fusedopt.functional import compute_dtype
     cd = compute_dtype(p_dtype)
     offsets = {"aligned": (0, 0), "misaligned": (1, 1), "mixed": (0, 1)}[layout]
@@ -146,8 +154,16 @@ def _bucket_tensors(p_dtype, g_dtype, master: bool, layout: str):
     def make(dtype):
         return [torch.zeros(8, dtype=dtype)[o:o + 5] for o in offsets]
 
-    return dict(params=make(p_dtype), grads=make(g_dtype), exp_avgs=make(cd), exp_avg_sqs=make(cd),
-                momentum_buffers=make(cd), masters=make(torch.float32) if master else None,
+    params = make(p_dtype)
+
+    def states():
+        if state == "full" or cd != torch.float32:
+            return make(cd)
+        fmts = ("8bit", "bf16") if state == "mixed" else (state, state)
+        return [lowp.zeros(p, f) for p, f in zip(params, fmts)]
+
+    return dict(params=params, grads=make(g_dtype), exp_avgs=states(), exp_avg_sqs=states(),
+                momentum_buffers=states(), masters=make(torch.float32) if master else None,
                 steps=[torch.zeros((), dtype=torch.float32) for _ in offsets])
 
 
@@ -168,7 +184,7 @@ def step_axes() -> dict:
     out = {}
     for kind in ("lamb", "lars"):
         base, hyper = _hyper_axes(kind, supported)
-        axes = dict(dtypes=combos, layout=["mixed", "aligned", "misaligned"],
+        axes = dict(dtypes=combos, layout=["mixed", "aligned", "misaligned"], state=list(STATES),
                     grad_scale=[None, 1024.0], found_inf=[None, 0.0])
         axes.update({"h." + k: v for k, v in hyper.items()})
         out[kind] = (base, axes)
@@ -240,9 +256,9 @@ class _Driver:
         from fusedopt import functional
         base, axes = self.domains["kinds"][kind]
         x = {n: values[i] for (n, values), i in zip(axes.items(), idx)}
-        key = (kind, x["dtypes"], x["layout"])
+        key = (kind, x["dtypes"], x["layout"], x["state"])
         if key not in self.buckets:
-            lists = _bucket_tensors(*x["dtypes"], x["layout"])
+            lists = _bucket_tensors(*x["dtypes"], x["layout"], x["state"])
             for name in (("momentum_buffers",) if kind == "lamb" else ("exp_avgs", "exp_avg_sqs")):
                 lists.pop(name)
             self.buckets[key] = (lists, functional.StepCache())

@@ -12,6 +12,12 @@ compiles whatever the step needs, so a compile failure changes nothing.
 Dtypes: float16, bfloat16, float32 and float64 params and grads; the math runs in float32, and in
 float64 for float64 params (hyper-parameters travel as float64 kernel arguments).
 
+State formats: full, bf16 and 8-bit state (docs/math.md, "Low-precision state"), per tensor, in
+the same launches (Note [state formats in the tables] in kernels/tables.py); the keys of the
+random bits of stochastic rounding are the bucket's ``keys`` (LAMB only: LARS rounds its buffer
+to nearest), as the cpp backend takes them, and the results equal the cpp backend's bit for bit
+under the interpreter (tests/test_triton_lowp.py).
+
 Devices: CUDA tensors (compiled kernels); CPU tensors only under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment before triton is imported), which the tests use.
 
@@ -149,9 +155,10 @@ def _lr_args(lr, device) -> dict:
     return dict(lr=lr, lr_ptr=_k().tables.operand(device, torch.float64, 0.0))
 
 
-def tables_of(lists: Lists, store) -> list:
-    """The tables of both passes over a bucket's lists (kept in ``store`` while they stay)."""
-    return _k().tables.tables(list(lists), store)
+def tables_of(lists: Lists, store, keys=None) -> list:
+    """The tables of both passes over a bucket's lists (kept in ``store`` while they stay);
+    ``keys``: the bucket's keys of stochastic rounding (None: the index in the lists)."""
+    return _k().tables.tables(list(lists), store, keys=keys)
 
 
 def pass1_launches(kind: str, lists: Lists, hyper, grad_mult, found_inf, sums,
@@ -231,19 +238,19 @@ def _sums(lists: Lists) -> torch.Tensor:
 
 
 def run_pass1(kind: str, lists: Lists, hyper, grad_mult, found_inf, store,
-              tabs=None) -> torch.Tensor:
+              tabs=None, keys=None) -> torch.Tensor:
     """Pass 1 of ``kind`` over a bucket's lists: one launch per table; returns the ``[n, 2]``
     sums."""
     sums = _sums(lists)
-    tabs = tables_of(lists, store) if tabs is None else tabs
+    tabs = tables_of(lists, store, keys) if tabs is None else tabs
     for kernel, table, kw in pass1_launches(kind, lists, hyper, grad_mult, found_inf, sums, tabs):
         _k().tables.launch(kernel, table, **kw)
     return sums
 
 
 def run_pass2(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_inf,
-              store, tabs=None) -> None:
-    tabs = tables_of(lists, store) if tabs is None else tabs
+              store, tabs=None, keys=None) -> None:
+    tabs = tables_of(lists, store, keys) if tabs is None else tabs
     for kernel, table, kw in pass2_launches(kind, lists, hyper, lr, sums.contiguous(), grad_mult,
                                             found_inf, tabs):
         _k().tables.launch(kernel, table, **kw)
@@ -282,14 +289,14 @@ _compiled: set = set()
 
 
 def compile_step(kind: str, lists: Lists, hyper, clip: bool, store, tabs=None,
-                 sq_tabs=None) -> None:
+                 sq_tabs=None, keys=None) -> None:
     """Compile every kernel a step of ``kind`` launches over ``lists`` before any runs, so that a
     compile failure changes nothing. The launches of a step are declared by the ``*_launches``
     functions; a specialization is the kernel, its constexprs, the dtypes of its tensor
     arguments and whether each is 16-byte aligned (Triton specializes on it), each compiled
     once per process (a no-op under the interpreter)."""
     t = _k().tables
-    tabs = tables_of(lists, store) if tabs is None else tabs
+    tabs = tables_of(lists, store, keys) if tabs is None else tabs
     sums = _sums(lists)
     launches = (pass1_launches(kind, lists, hyper, None, None, sums, tabs)
                 + pass2_launches(kind, lists, hyper, None, sums, None, None, tabs))
@@ -313,8 +320,14 @@ def _lists(b: Bucket) -> Lists:
     return b.params, b.grads, b.masters, b.momentum_buffers, None, b.steps
 
 
+def _keys(b: Bucket):
+    """The keys of the random bits of stochastic rounding: LAMB's (LARS draws none)."""
+    return b.keys if b.exp_avgs is not None else None
+
+
 class TritonBackend(Backend):
     name = "triton"
+    state_formats = ("full", "bf16", "8bit")
 
     def __init__(self):
         if importlib.util.find_spec("triton") is None:
@@ -344,7 +357,7 @@ class TritonBackend(Backend):
         after the checks (prepare), and kept in ``b.scratch`` for the passes."""
         tabs = b.scratch.get("tables")
         if tabs is None:
-            tabs = b.scratch["tables"] = tables_of(_lists(b), _store(b.workspace))
+            tabs = b.scratch["tables"] = tables_of(_lists(b), _store(b.workspace), _keys(b))
         return tabs
 
     @staticmethod
@@ -378,6 +391,8 @@ class TritonBackend(Backend):
         if torch.compiler.is_compiling():
             op = torch.ops.fusedopt.triton_lamb_pass1 if kind == "lamb" else \
                 torch.ops.fusedopt.triton_lars_pass1
+            if kind == "lamb":
+                return op(*_op_lists(lists), hyper, grad_mult, found_inf, b.keys, *_ids(b))
             return op(*_op_lists(lists), hyper, grad_mult, found_inf, *_ids(b))
         return run_pass1(kind, lists, h, grad_mult, found_inf, _store(b.workspace),
                          self._tables(b))
@@ -387,7 +402,7 @@ class TritonBackend(Backend):
         if torch.compiler.is_compiling():
             if kind == "lamb":
                 return torch.ops.fusedopt.triton_lamb_pass2(*_op_lists(lists), sums, hyper, lr,
-                                                            found_inf, *_ids(b))
+                                                            found_inf, b.keys, *_ids(b))
             return torch.ops.fusedopt.triton_lars_pass2(*_op_lists(lists), sums, hyper, lr,
                                                         grad_mult, found_inf, *_ids(b))
         run_pass2(kind, lists, h, lr, sums, grad_mult, found_inf, _store(b.workspace),
@@ -434,11 +449,12 @@ def _lamb_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
                    hyper: torch.Tensor, grad_mult: Optional[torch.Tensor],
-                   found_inf: Optional[torch.Tensor], cache_id: int, slot: str) -> torch.Tensor:
+                   found_inf: Optional[torch.Tensor], keys: Optional[torch.Tensor], cache_id: int,
+                   slot: str) -> torch.Tensor:
     lists, store = _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps), \
         _store_of(cache_id, slot)
-    compile_step("lamb", lists, hyper, False, store)
-    return run_pass1("lamb", lists, hyper, grad_mult, found_inf, store)
+    compile_step("lamb", lists, hyper, False, store, keys=keys)
+    return run_pass1("lamb", lists, hyper, grad_mult, found_inf, store, keys=keys)
 
 
 @torch.library.custom_op("fusedopt::triton_lamb_pass2", mutates_args=("params", "masters"))
@@ -446,9 +462,10 @@ def _lamb_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], sums: torch.Tensor,
                    hyper: torch.Tensor, lr: Optional[torch.Tensor],
-                   found_inf: Optional[torch.Tensor], cache_id: int, slot: str) -> None:
+                   found_inf: Optional[torch.Tensor], keys: Optional[torch.Tensor], cache_id: int,
+                   slot: str) -> None:
     run_pass2("lamb", _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps), hyper, lr,
-              sums, None, found_inf, _store_of(cache_id, slot))
+              sums, None, found_inf, _store_of(cache_id, slot), keys=keys)
 
 
 @torch.library.custom_op("fusedopt::triton_lars_pass1", mutates_args=("steps",))

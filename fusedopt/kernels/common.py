@@ -45,6 +45,10 @@ STEP = tl.constexpr(_tables.STEP)
 NUMEL = tl.constexpr(_tables.NUMEL)
 FIRST_CHUNK = tl.constexpr(_tables.FIRST_CHUNK)
 OUT = tl.constexpr(_tables.OUT)
+FORMAT = tl.constexpr(_tables.FORMAT)
+KEY = tl.constexpr(_tables.KEY)
+BF16_STATE = tl.constexpr(_tables.BF16_STATE)
+Q8_STATE = tl.constexpr(_tables.Q8_STATE)
 # Bits of the kernels' runtime ``flags`` argument (Note [runtime flags] in kernels/tables.py).
 LR_TENSOR = tl.constexpr(_tables.LR_TENSOR)
 BIAS_CORRECTION = tl.constexpr(_tables.BIAS_CORRECTION)
@@ -96,6 +100,44 @@ def tensor_ptrs(rec, COLUMN: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.cons
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
     return ptr[:, None]
+
+
+@triton.jit
+def tiles3(start, BLOCK: tl.constexpr, QB: tl.constexpr):
+    """A tile viewed as ``[1, BLOCK // QB, QB]`` (whole 8-bit blocks: Note [state formats in the
+    tables]): the element offsets in the tile, the block index ``[1, BLOCK // QB, 1]`` and the
+    chunk starts as ``[ROWS, 1, 1]``."""
+    nb = tl.arange(0, BLOCK // QB)[None, :, None]
+    k = tl.arange(0, QB)[None, None, :]
+    return nb * QB + k, nb, start[:, None, None]
+
+
+@triton.jit
+def state_ptrs(rec, COLUMN: tl.constexpr, ALIGNED: tl.constexpr, QB: tl.constexpr):
+    """The pointers of the state in column COLUMN as each low-precision format reads it, as
+    ``[ROWS, 1, 1]`` columns: bf16 bits (uint16), and the 8-bit scales (float32) and codes (int8
+    and uint8 views) of a packed tensor (docs/math.md: the scales padded to 64 bytes, then the
+    codes, ``q8_codes_offset`` of math.h computed from the tensor's NUMEL)."""
+    raw = tl.load(rec + COLUMN)
+    blocks = (tl.load(rec + NUMEL) + QB - 1) // QB
+    codes = raw + 4 * ((blocks + 15) // 16) * 16
+    half = raw.to(tl.pointer_type(tl.uint16))
+    scales = raw.to(tl.pointer_type(tl.float32))
+    signed = codes.to(tl.pointer_type(tl.int8))
+    unsigned = codes.to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        half = tl.multiple_of(half, 16)
+        scales = tl.multiple_of(scales, 16)
+        signed = tl.multiple_of(signed, 16)
+        unsigned = tl.multiple_of(unsigned, 16)
+    return (half[:, None, None], scales[:, None, None], signed[:, None, None],
+            unsigned[:, None, None])
+
+
+@triton.jit
+def any_row(x):
+    """Whether the ``[ROWS]`` bool ``x`` holds anywhere (a scalar, uniform over the program)."""
+    return tl.max(x.to(tl.int32), 0) > 0
 
 
 @triton.jit

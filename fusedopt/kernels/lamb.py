@@ -12,6 +12,14 @@ count, takes ``φ`` from ``sums`` (which may have been all-reduced in between) a
 Memory traffic per element: pass 1 reads w, g, m, v and writes m, v; pass 2 reads w, m, v and
 writes w: docs/math.md's 40 bytes for float32.
 
+Low-precision state (docs/math.md, "Low-precision state"; Note [state formats in the tables] in
+kernels/tables.py): with float32 compute, a program with a bf16 or 8-bit row runs the tiles of
+``_pass1_lowp`` / ``_pass2_lowp``, which hold whole 8-bit blocks (``[ROWS, BLOCK // 256, 256]``)
+and run each format present among the program's rows: pass 1 reads the stored moments, updates
+them in float32, stores them rounded to the format (``v`` stochastically, with the random bits of
+the tensor's step count and key) and takes ``u`` from the values it stored; pass 2 takes ``u``
+from the same stored values (csrc/cpu/ops.cpp's ``lamb_pass{1,2}_chunk_{bf16,q8}``).
+
 Hyper-parameters are float64 runtime arguments (Note [float64 scalars] in math.py) and the
 variant flags bits of the runtime ``flags`` (Note [runtime flags] in kernels/tables.py);
 constexprs are structural only: dtypes, whether fp32 masters exist, alignment, tile sizes.
@@ -19,10 +27,15 @@ constexprs are structural only: dtypes, whether fp32 masters exist, alignment, t
 import triton
 import triton.language as tl
 
-from .math import lamb_apply, lamb_coef, lamb_direction, lamb_moments, lamb_trust_ratio
+from .math import (
+    QBLOCK, bf16_rne, bf16_stochastic, bf16_value, block_top, ieee_sqrt, lamb_apply, lamb_coef,
+    lamb_direction, lamb_direction_s, lamb_moments, lamb_trust_ratio, q8_root_block, q8_root_code,
+    q8_root_value, q8_signed_block, q8_signed_code, q8_signed_value, sr_base, sr_bits,
+)
 from .common import (
-    ADAPT, BIAS_CORRECTION, BOUNDED, GRAD, LR_TENSOR, MASTER, OUT, PARAM, STATE0, STATE1, STEP,
-    chunks_of, finish_rows, flag, load_tile, masked_sq, round_to, tensor_ptrs,
+    ADAPT, BF16_STATE, BIAS_CORRECTION, BOUNDED, FORMAT, GRAD, KEY, LR_TENSOR, MASTER, OUT, PARAM,
+    Q8_STATE, STATE0, STATE1, STEP, any_row, chunks_of, finish_rows, flag, load_tile, masked_sq,
+    round_to, state_ptrs, tensor_ptrs, tiles3,
 )
 
 
@@ -40,6 +53,135 @@ def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_m
     tl.store(v_ptr, v, mask=mask)
     u = lamb_direction(w, m, v, r1, r2, eps, lambda_in_u)
     return w * w, masked_sq(u, mask)
+
+
+@triton.jit
+def _pass1_full(w_ptr, g_ptr, m_ptr, v_ptr, n, gm, b1, b2, b3, omb2, r1, r2, eps, lam,
+                CD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1 over the program's chunks with full state: the rows' ``(Σw², Σu²)``; unmasked tiles
+    when every row is a whole chunk. ``r1``, ``r2``: ``[ROWS, 1]``."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    acc_w = tl.full([ROWS, BLOCK], 0.0, CD)
+    acc_u = tl.full([ROWS, BLOCK], 0.0, CD)
+    if tl.min(n, 0) == CHUNK:
+        for off in range(0, CHUNK, BLOCK):
+            o = off + cols
+            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, None, gm, b1, b2, b3,
+                                 omb2, r1, r2, eps, lam, CD)
+            acc_w += sw
+            acc_u += su
+    else:
+        for off in range(0, tl.max(n, 0), BLOCK):
+            o = off + cols
+            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], gm, b1,
+                                 b2, b3, omb2, r1, r2, eps, lam, CD)
+            acc_w += sw
+            acc_u += su
+    return tl.sum(acc_w, 1), tl.sum(acc_u, 1)
+
+
+@triton.jit
+def _pass1_tile_bf16(w_ptr, g_ptr, m_ptr, v_ptr, mask, e, base, gm, beta1, beta2, beta3,
+                     one_minus_beta2, r1, r2, eps, lambda_in_u):
+    """One tile of pass 1 with bf16 moments (``m_ptr``, ``v_ptr``: their bits): ``m`` rounded to
+    nearest even, ``v`` stochastically with the bits of the elements ``e``; ``u`` from the stored
+    values. Returns ``(w², u²)``, 0 outside ``mask``."""
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
+    m = bf16_value(tl.load(m_ptr, mask=mask, other=0))
+    v = bf16_value(tl.load(v_ptr, mask=mask, other=0))
+    m, v = lamb_moments(g, m, v, beta1, beta2, beta3, one_minus_beta2)
+    mq = bf16_rne(m)
+    vq = bf16_stochastic(v, sr_bits(base, e))
+    tl.store(m_ptr, mq.to(tl.uint16), mask=mask)
+    tl.store(v_ptr, vq.to(tl.uint16), mask=mask)
+    u = lamb_direction(w, bf16_value(mq), bf16_value(vq), r1, r2, eps, lambda_in_u)
+    return w * w, masked_sq(u, mask)
+
+
+@triton.jit
+def _pass1_tile_q8(w_ptr, g_ptr, ms_ptr, mc_ptr, vs_ptr, vc_ptr, bmask, mask, e, base, gm, beta1,
+                   beta2, beta3, one_minus_beta2, r1, r2, eps, lambda_in_u):
+    """One tile of pass 1 with 8-bit moments, whole blocks (``[ROWS, NB, 256]``; ``ms_ptr``,
+    ``vs_ptr``: the blocks' scales ``[ROWS, NB, 1]``, where ``bmask``; ``mc_ptr``, ``vc_ptr``: the
+    codes): the stored moments read and updated, each block's scales found and stored, the codes
+    written (``v``'s stochastically), ``u`` from the values just stored. Returns ``(w², u²)``."""
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
+    m = q8_signed_value(tl.load(mc_ptr, mask=mask, other=0).to(tl.int32),
+                        tl.load(ms_ptr, mask=bmask, other=0.0))
+    s = q8_root_value(tl.load(vc_ptr, mask=mask, other=0).to(tl.int32),
+                      tl.load(vs_ptr, mask=bmask, other=0.0))
+    m, v = lamb_moments(g, m, s * s, beta1, beta2, beta3, one_minus_beta2)
+    m = tl.where(mask, m, 0.0)  # lanes past the tensor's end take no part in its blocks
+    v = tl.where(mask, v, 0.0)
+    m_top, m_ok = block_top(m)
+    v_top, v_ok = block_top(v)
+    fm, qm = q8_signed_block(m_top, m_ok)
+    fv, qv = q8_root_block(v_top, v_ok)
+    tl.store(ms_ptr, fm[:, :, None], mask=bmask)
+    tl.store(vs_ptr, fv[:, :, None], mask=bmask)
+    cm = tl.where(m_ok[:, :, None], q8_signed_code(m, qm[:, :, None]), 0)
+    cv = tl.where(v_ok[:, :, None], q8_root_code(ieee_sqrt(v), qv[:, :, None], sr_bits(base, e)),
+                  0)
+    tl.store(mc_ptr, cm.to(tl.int8), mask=mask)
+    tl.store(vc_ptr, cv.to(tl.uint8), mask=mask)
+    u = lamb_direction_s(w, q8_signed_value(cm, fm[:, :, None]), q8_root_value(cv, fv[:, :, None]),
+                         r1, r2, eps, lambda_in_u)
+    return w * w, masked_sq(u, mask)
+
+
+@triton.jit
+def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b3, omb2, r1, r2,
+                eps, lam, ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1 over the program's chunks when a row holds low-precision state (float32 compute):
+    tiles of whole 8-bit blocks, each format present among the rows run with a mask per row. The
+    ``(Σw², Σu²)`` of every row are those of ``_pass1_full`` (the same lanes accumulate the same
+    terms). ``w_ptr`` ... ``v_ptr``: ``[ROWS, 1]`` at the chunks' starts; ``fmt``, ``t``, ``r1``,
+    ``r2``: ``[ROWS]``."""
+    o3, nb, start3 = tiles3(start, BLOCK, QBLOCK)
+    n3 = n[:, None, None]
+    w3 = w_ptr[:, :, None]
+    g3 = g_ptr[:, :, None]
+    mf3 = m_ptr[:, :, None]
+    vf3 = v_ptr[:, :, None]
+    r1 = r1[:, None, None]
+    r2 = r2[:, None, None]
+    mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
+    vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
+    base = sr_base(t, tl.load(rec + KEY))[:, None, None]
+    full = (fmt == 0)[:, None, None]
+    half = (fmt == BF16_STATE)[:, None, None]
+    q8 = (fmt == Q8_STATE)[:, None, None]
+    any_full = any_row(fmt == 0)
+    any_half = any_row(fmt == BF16_STATE)
+    any_q8 = any_row(fmt == Q8_STATE)
+    acc_w = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
+    acc_u = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
+    for off in range(0, tl.max(n, 0), BLOCK):
+        o = off + o3
+        inside = o < n3
+        if any_full:
+            sw, su = _pass1_tile(w3 + o, g3 + o, mf3 + o, vf3 + o, inside & full, gm, b1, b2, b3,
+                                 omb2, r1, r2, eps, lam, tl.float32)
+            acc_w += sw
+            acc_u += su
+        if any_half:
+            e = start3 + o
+            sw, su = _pass1_tile_bf16(w3 + o, g3 + o, mh + e, vh + e, inside & half, e, base, gm,
+                                      b1, b2, b3, omb2, r1, r2, eps, lam)
+            acc_w += sw
+            acc_u += su
+        if any_q8:
+            e = start3 + o
+            blk = (start3 + off) // QBLOCK + nb
+            bmask = ((off + nb * QBLOCK) < n3) & q8
+            sw, su = _pass1_tile_q8(w3 + o, g3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask,
+                                    inside & q8, e, base, gm, b1, b2, b3, omb2, r1, r2, eps, lam)
+            acc_w += sw
+            acc_u += su
+    return (tl.sum(tl.reshape(acc_w, [ROWS, BLOCK]), 1),
+            tl.sum(tl.reshape(acc_u, [ROWS, BLOCK]), 1))
 
 
 @triton.jit(do_not_specialize=["flags"])
@@ -66,8 +208,6 @@ def lamb_pass1_kernel(
     t = tl.load(step_ptr, mask=valid, other=0.0) + inc  # Note [step counts] in common.py
     b1, b2, b3, omb2, eps_c, r1, r2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
                                                      lambda_in_u, CD, flag(flags, BIAS_CORRECTION))
-    r1 = r1[:, None]
-    r2 = r2[:, None]
     gm = tl.load(grad_mult).to(CD)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
@@ -76,26 +216,19 @@ def lamb_pass1_kernel(
     g_ptr = tensor_ptrs(rec, GRAD, G_DTYPE, ALIGNED) + start[:, None]
     m_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
     v_ptr = tensor_ptrs(rec, STATE1, CD, ALIGNED) + start[:, None]
-
-    cols = tl.arange(0, BLOCK)[None, :]
-    acc_w = tl.full([ROWS, BLOCK], 0.0, CD)
-    acc_u = tl.full([ROWS, BLOCK], 0.0, CD)
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
-            o = off + cols
-            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, None, gm, b1, b2, b3, omb2,
-                                 r1, r2, eps_c, lam, CD)
-            acc_w += sw
-            acc_u += su
+    if CD == tl.float32:  # low-precision state is float32 compute only
+        fmt = tl.load(rec + FORMAT).to(tl.int32)
+        if any_row(fmt != 0):
+            p_w, p_u = _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2,
+                                   b3, omb2, r1, r2, eps_c, lam, ALIGNED, ROWS, BLOCK)
+        else:
+            p_w, p_u = _pass1_full(w_ptr, g_ptr, m_ptr, v_ptr, n, gm, b1, b2, b3, omb2,
+                                   r1[:, None], r2[:, None], eps_c, lam, CD, CHUNK, ROWS, BLOCK)
     else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            o = off + cols
-            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], gm, b1, b2,
-                                 b3, omb2, r1, r2, eps_c, lam, CD)
-            acc_w += sw
-            acc_u += su
-    last = finish_rows(partials, counters, sums, c, valid, i, rec, first, count, tl.sum(acc_w, 1),
-                       tl.sum(acc_u, 1), 2, ROWS, RBLOCK)
+        p_w, p_u = _pass1_full(w_ptr, g_ptr, m_ptr, v_ptr, n, gm, b1, b2, b3, omb2, r1[:, None],
+                               r2[:, None], eps_c, lam, CD, CHUNK, ROWS, BLOCK)
+    last = finish_rows(partials, counters, sums, c, valid, i, rec, first, count, p_w, p_u, 2, ROWS,
+                       RBLOCK)
     tl.store(step_ptr, t, mask=last)
 
 
@@ -106,10 +239,99 @@ def _pass2_tile(w_ptr, p_ptr, m_ptr, v_ptr, mask, r1, r2, eps, lambda_in_u, lr_p
     m = load_tile(m_ptr, mask)
     v = load_tile(v_ptr, mask)
     u = lamb_direction(w, m, v, r1, r2, eps, lambda_in_u)
-    w = lamb_apply(w, u, lr_phi, decay)
+    _store_weight(w_ptr, p_ptr, lamb_apply(w, u, lr_phi, decay), mask, P_DTYPE, HAS_MASTER)
+
+
+@triton.jit
+def _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr):
+    """The new weight to the weight (the fp32 master, and the param rounded to nearest even)."""
     tl.store(w_ptr, round_to(w, w_ptr.dtype.element_ty), mask=mask)
     if HAS_MASTER:
         tl.store(p_ptr, round_to(w, P_DTYPE), mask=mask)
+
+
+@triton.jit
+def _pass2_full(w_ptr, p_ptr, m_ptr, v_ptr, n, r1, r2, eps, lam, lr_phi, decay,
+                P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2 over the program's chunks with full state; unmasked tiles when every row is a
+    whole chunk. ``r1``, ``r2``, ``lr_phi``: ``[ROWS, 1]``."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    if tl.min(n, 0) == CHUNK:
+        for off in range(0, CHUNK, BLOCK):
+            o = off + cols
+            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, None, r1, r2, eps, lam, lr_phi,
+                        decay, P_DTYPE, CD, HAS_MASTER)
+    else:
+        for off in range(0, tl.max(n, 0), BLOCK):
+            o = off + cols
+            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], r1, r2, eps,
+                        lam, lr_phi, decay, P_DTYPE, CD, HAS_MASTER)
+
+
+@triton.jit
+def _pass2_tile_bf16(w_ptr, p_ptr, m_ptr, v_ptr, mask, r1, r2, eps, lambda_in_u, lr_phi, decay,
+                     P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr):
+    """One tile of pass 2 with bf16 moments: ``u`` from the stored values (pass 1's ``u``)."""
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    m = bf16_value(tl.load(m_ptr, mask=mask, other=0))
+    v = bf16_value(tl.load(v_ptr, mask=mask, other=0))
+    u = lamb_direction(w, m, v, r1, r2, eps, lambda_in_u)
+    _store_weight(w_ptr, p_ptr, lamb_apply(w, u, lr_phi, decay), mask, P_DTYPE, HAS_MASTER)
+
+
+@triton.jit
+def _pass2_tile_q8(w_ptr, p_ptr, ms_ptr, mc_ptr, vs_ptr, vc_ptr, bmask, mask, r1, r2, eps,
+                   lambda_in_u, lr_phi, decay, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr):
+    """One tile of pass 2 with 8-bit moments (whole blocks, as ``_pass1_tile_q8``)."""
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    m = q8_signed_value(tl.load(mc_ptr, mask=mask, other=0).to(tl.int32),
+                        tl.load(ms_ptr, mask=bmask, other=0.0))
+    s = q8_root_value(tl.load(vc_ptr, mask=mask, other=0).to(tl.int32),
+                      tl.load(vs_ptr, mask=bmask, other=0.0))
+    u = lamb_direction_s(w, m, s, r1, r2, eps, lambda_in_u)
+    _store_weight(w_ptr, p_ptr, lamb_apply(w, u, lr_phi, decay), mask, P_DTYPE, HAS_MASTER)
+
+
+@triton.jit
+def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps, lam, lr_phi, decay,
+                P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2 over the program's chunks when a row holds low-precision state (as
+    ``_pass1_lowp``); ``r1``, ``r2``, ``lr_phi``: ``[ROWS]``."""
+    o3, nb, start3 = tiles3(start, BLOCK, QBLOCK)
+    n3 = n[:, None, None]
+    w3 = w_ptr[:, :, None]
+    p3 = p_ptr[:, :, None]
+    mf3 = m_ptr[:, :, None]
+    vf3 = v_ptr[:, :, None]
+    r1 = r1[:, None, None]
+    r2 = r2[:, None, None]
+    lr_phi = lr_phi[:, None, None]
+    mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
+    vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
+    full = (fmt == 0)[:, None, None]
+    half = (fmt == BF16_STATE)[:, None, None]
+    q8 = (fmt == Q8_STATE)[:, None, None]
+    any_full = any_row(fmt == 0)
+    any_half = any_row(fmt == BF16_STATE)
+    any_q8 = any_row(fmt == Q8_STATE)
+    for off in range(0, tl.max(n, 0), BLOCK):
+        o = off + o3
+        inside = o < n3
+        if any_full:
+            _pass2_tile(w3 + o, p3 + o, mf3 + o, vf3 + o, inside & full, r1, r2, eps, lam, lr_phi,
+                        decay, P_DTYPE, tl.float32, HAS_MASTER)
+        if any_half:
+            e = start3 + o
+            _pass2_tile_bf16(w3 + o, p3 + o, mh + e, vh + e, inside & half, r1, r2, eps, lam,
+                             lr_phi, decay, P_DTYPE, HAS_MASTER)
+        if any_q8:
+            e = start3 + o
+            blk = (start3 + off) // QBLOCK + nb
+            bmask = ((off + nb * QBLOCK) < n3) & q8
+            _pass2_tile_q8(w3 + o, p3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask, inside & q8,
+                           r1, r2, eps, lam, lr_phi, decay, P_DTYPE, HAS_MASTER)
 
 
 @triton.jit(do_not_specialize=["flags"])
@@ -135,15 +357,13 @@ def lamb_pass2_kernel(
     t = tl.load(tl.load(rec + STEP).to(tl.pointer_type(tl.float32)), mask=valid, other=1.0)
     _, _, _, _, eps_c, r1, r2, lam = lamb_coef(t, beta1, beta2, beta3, one_minus_beta2, eps,
                                                lambda_in_u, CD, flag(flags, BIAS_CORRECTION))  # t of pass 1
-    r1 = r1[:, None]
-    r2 = r2[:, None]
     row = tl.load(rec + OUT)  # the tensor's row of sums
     w_sq = tl.load(sums + 2 * row, mask=valid, other=0.0).to(CD)
     u_sq = tl.load(sums + 2 * row + 1, mask=valid, other=0.0).to(CD)
     phi = lamb_trust_ratio(w_sq, u_sq, tl.full((), ratio_lo, CD), tl.full((), ratio_hi, CD),
                            flag(flags, ADAPT), flag(flags, BOUNDED))
     lr64 = tl.where(flag(flags, LR_TENSOR), tl.load(lr_ptr), tl.full((), lr, tl.float64))
-    lr_phi = (lr64.to(CD) * phi)[:, None]
+    lr_phi = lr64.to(CD) * phi
     decay = (1.0 - lr64 * tl.full((), decoupled_wd, tl.float64)).to(CD)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
@@ -152,15 +372,14 @@ def lamb_pass2_kernel(
     p_ptr = tensor_ptrs(rec, PARAM, P_DTYPE, ALIGNED) + start[:, None]
     m_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
     v_ptr = tensor_ptrs(rec, STATE1, CD, ALIGNED) + start[:, None]
-
-    cols = tl.arange(0, BLOCK)[None, :]
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
-            o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, None, r1, r2, eps_c, lam, lr_phi,
-                        decay, P_DTYPE, CD, HAS_MASTER)
+    if CD == tl.float32:  # low-precision state is float32 compute only
+        fmt = tl.load(rec + FORMAT).to(tl.int32)
+        if any_row(fmt != 0):
+            _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps_c, lam, lr_phi,
+                        decay, P_DTYPE, HAS_MASTER, ALIGNED, ROWS, BLOCK)
+        else:
+            _pass2_full(w_ptr, p_ptr, m_ptr, v_ptr, n, r1[:, None], r2[:, None], eps_c, lam,
+                        lr_phi[:, None], decay, P_DTYPE, CD, HAS_MASTER, CHUNK, BLOCK)
     else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], r1, r2, eps_c, lam,
-                        lr_phi, decay, P_DTYPE, CD, HAS_MASTER)
+        _pass2_full(w_ptr, p_ptr, m_ptr, v_ptr, n, r1[:, None], r2[:, None], eps_c, lam,
+                    lr_phi[:, None], decay, P_DTYPE, CD, HAS_MASTER, CHUNK, BLOCK)

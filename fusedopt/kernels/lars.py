@@ -6,14 +6,23 @@ last program of each tensor (Note [two-stage norms] in common.py), which also ad
 count. Pass 2 (``lars_pass2_kernel``) takes the trust ratio from ``sums`` (possibly all-reduced in
 between), reads w, g, v and writes v and w (the fp32 master, and the param rounded to nearest
 even). Memory traffic per element: 8 + 20 bytes, docs/math.md's 28 for float32.
+
+A bf16 or 8-bit momentum buffer (docs/math.md, "Low-precision state"; Note [state formats in the
+tables] in kernels/tables.py) is stored rounded to nearest (even), and the step moves by the
+buffer as stored (csrc/cpu/ops.cpp's ``lars_pass2_chunk_{bf16,q8}``): with float32 compute, a
+program with such a row runs the tiles of ``_pass2_lowp``, whole 8-bit blocks per tile.
 """
 import triton
 import triton.language as tl
 
-from .math import lars_apply, lars_coef, lars_trust_ratio
+from .math import (
+    QBLOCK, bf16_rne, bf16_value, block_top, lars_apply, lars_buffer, lars_coef, lars_direction,
+    lars_step, lars_trust_ratio, q8_signed_block, q8_signed_code, q8_signed_value,
+)
 from .common import (
-    ADAPT, COMBINED, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT, PARAM, STATE0, STEP,
-    TRUST_CLIP, chunks_of, finish_rows, flag, load_tile, round_to, tensor_ptrs,
+    ADAPT, BF16_STATE, COMBINED, FORMAT, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT,
+    PARAM, Q8_STATE, STATE0, STEP, TRUST_CLIP, any_row, chunks_of, finish_rows, flag, load_tile,
+    round_to, state_ptrs, tensor_ptrs, tiles3,
 )
 
 
@@ -78,6 +87,14 @@ def lars_pass1_kernel(
 
 
 @triton.jit
+def _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr):
+    """The new weight to the weight (the fp32 master, and the param rounded to nearest even)."""
+    tl.store(w_ptr, round_to(w, w_ptr.dtype.element_ty), mask=mask)
+    if HAS_MASTER:
+        tl.store(p_ptr, round_to(w, P_DTYPE), mask=mask)
+
+
+@triton.jit
 def _pass2_tile(w_ptr, p_ptr, g_ptr, v_ptr, mask, gm, ratio, lam, lr, mu, keep, add,
                 P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov,
                 lr_in_momentum):
@@ -86,9 +103,104 @@ def _pass2_tile(w_ptr, p_ptr, g_ptr, v_ptr, mask, gm, ratio, lam, lr, mu, keep, 
     v = load_tile(v_ptr, mask)
     w, v = lars_apply(w, g, v, ratio, lam, lr, mu, keep, add, nesterov, lr_in_momentum)
     tl.store(v_ptr, v, mask=mask)
-    tl.store(w_ptr, round_to(w, w_ptr.dtype.element_ty), mask=mask)
-    if HAS_MASTER:
-        tl.store(p_ptr, round_to(w, P_DTYPE), mask=mask)
+    _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE, HAS_MASTER)
+
+
+@triton.jit
+def _pass2_full(w_ptr, p_ptr, g_ptr, v_ptr, n, gm, ratio, lam, lr, mu, keep, add,
+                P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov,
+                lr_in_momentum, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 2 over the program's chunks with a full buffer; unmasked tiles when every row is a
+    whole chunk. ``ratio``, ``keep``, ``add``: ``[ROWS, 1]``."""
+    cols = tl.arange(0, BLOCK)[None, :]
+    if tl.min(n, 0) == CHUNK:
+        for off in range(0, CHUNK, BLOCK):
+            o = off + cols
+            _pass2_tile(w_ptr + o, p_ptr + o, g_ptr + o, v_ptr + o, None, gm, ratio, lam, lr, mu,
+                        keep, add, P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum)
+    else:
+        for off in range(0, tl.max(n, 0), BLOCK):
+            o = off + cols
+            _pass2_tile(w_ptr + o, p_ptr + o, g_ptr + o, v_ptr + o, o < n[:, None], gm, ratio,
+                        lam, lr, mu, keep, add, P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum)
+
+
+@triton.jit
+def _pass2_tile_bf16(w_ptr, p_ptr, g_ptr, v_ptr, mask, gm, ratio, lam, lr, mu, keep, add,
+                     P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov, lr_in_momentum):
+    """One tile of pass 2 with a bf16 buffer (``v_ptr``: its bits): the new buffer rounded to
+    nearest even, the step from it."""
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
+    d = lars_direction(w, g, ratio, lam)
+    vq = bf16_rne(lars_buffer(d, bf16_value(tl.load(v_ptr, mask=mask, other=0)), keep, add))
+    tl.store(v_ptr, vq.to(tl.uint16), mask=mask)
+    w = lars_step(w, d, bf16_value(vq), lr, mu, nesterov, lr_in_momentum)
+    _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE, HAS_MASTER)
+
+
+@triton.jit
+def _pass2_tile_q8(w_ptr, p_ptr, g_ptr, s_ptr, c_ptr, bmask, mask, gm, ratio, lam, lr, mu, keep,
+                   add, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov, lr_in_momentum):
+    """One tile of pass 2 with an 8-bit buffer, whole blocks (``[ROWS, NB, 256]``; ``s_ptr``: the
+    blocks' scales ``[ROWS, NB, 1]``, where ``bmask``; ``c_ptr``: the codes): the new buffer in
+    the signed map rounded to nearest, each block's scale stored, the step from the stored
+    buffer."""
+    w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
+    d = lars_direction(w, g, ratio, lam)
+    old = q8_signed_value(tl.load(c_ptr, mask=mask, other=0).to(tl.int32),
+                          tl.load(s_ptr, mask=bmask, other=0.0))
+    v = tl.where(mask, lars_buffer(d, old, keep, add), 0.0)  # lanes past the end: not in a block
+    top, ok = block_top(v)
+    f, q = q8_signed_block(top, ok)
+    tl.store(s_ptr, f[:, :, None], mask=bmask)
+    cv = tl.where(ok[:, :, None], q8_signed_code(v, q[:, :, None]), 0)
+    tl.store(c_ptr, cv.to(tl.int8), mask=mask)
+    w = lars_step(w, d, q8_signed_value(cv, f[:, :, None]), lr, mu, nesterov, lr_in_momentum)
+    _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE, HAS_MASTER)
+
+
+@triton.jit
+def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, lr, mu, keep, add,
+                P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK: tl.constexpr, nesterov, lr_in_momentum):
+    """Pass 2 over the program's chunks when a row holds a low-precision buffer (float32
+    compute): tiles of whole 8-bit blocks, each format present among the rows run with a mask per
+    row. ``w_ptr`` ... ``v_ptr``: ``[ROWS, 1]`` at the chunks' starts; ``ratio``, ``keep``,
+    ``add``: ``[ROWS]``."""
+    o3, nb, start3 = tiles3(start, BLOCK, QBLOCK)
+    n3 = n[:, None, None]
+    w3 = w_ptr[:, :, None]
+    p3 = p_ptr[:, :, None]
+    g3 = g_ptr[:, :, None]
+    vf3 = v_ptr[:, :, None]
+    ratio = ratio[:, None, None]
+    keep = keep[:, None, None]
+    add = add[:, None, None]
+    vh, vs, vc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
+    full = (fmt == 0)[:, None, None]
+    half = (fmt == BF16_STATE)[:, None, None]
+    q8 = (fmt == Q8_STATE)[:, None, None]
+    any_full = any_row(fmt == 0)
+    any_half = any_row(fmt == BF16_STATE)
+    any_q8 = any_row(fmt == Q8_STATE)
+    for off in range(0, tl.max(n, 0), BLOCK):
+        o = off + o3
+        inside = o < n3
+        if any_full:
+            _pass2_tile(w3 + o, p3 + o, g3 + o, vf3 + o, inside & full, gm, ratio, lam, lr, mu,
+                        keep, add, P_DTYPE, tl.float32, HAS_MASTER, nesterov, lr_in_momentum)
+        if any_half:
+            _pass2_tile_bf16(w3 + o, p3 + o, g3 + o, vh + (start3 + o), inside & half, gm, ratio,
+                             lam, lr, mu, keep, add, P_DTYPE, HAS_MASTER, nesterov,
+                             lr_in_momentum)
+        if any_q8:
+            blk = (start3 + off) // QBLOCK + nb
+            bmask = ((off + nb * QBLOCK) < n3) & q8
+            _pass2_tile_q8(w3 + o, p3 + o, g3 + o, vs + blk, vc + (start3 + o), bmask,
+                           inside & q8, gm, ratio, lam, lr, mu, keep, add, P_DTYPE, HAS_MASTER,
+                           nesterov, lr_in_momentum)
 
 
 @triton.jit(do_not_specialize=["flags"])
@@ -120,13 +232,11 @@ def lars_pass2_kernel(
     g_sq = tl.load(sums + 2 * row + 1, mask=valid, other=0.0).to(CD)
     ratio = lars_trust_ratio(w_sq, g_sq, tl.full((), trust_coefficient, CD), lam, tl.full((), eps, CD),
                              flag(flags, ADAPT), flag(flags, COMBINED),
-                             flag(flags, TRUST_CLIP))[:, None]
+                             flag(flags, TRUST_CLIP))
     lr_c = tl.where(flag(flags, LR_TENSOR), tl.load(lr_ptr).to(CD), tl.full((), lr, CD))
     nesterov = flag(flags, NESTEROV)
     lr_in_momentum = flag(flags, LR_IN_MOMENTUM)
     mu, keep, add = lars_coef(t, lr_c, momentum, one_minus_dampening, CD, lr_in_momentum)  # t of pass 1
-    keep = keep[:, None]
-    add = add[:, None]
     gm = tl.load(grad_mult).to(CD)
     if HAS_MASTER:
         w_ptr = tensor_ptrs(rec, MASTER, CD, ALIGNED) + start[:, None]
@@ -135,15 +245,16 @@ def lars_pass2_kernel(
     p_ptr = tensor_ptrs(rec, PARAM, P_DTYPE, ALIGNED) + start[:, None]
     g_ptr = tensor_ptrs(rec, GRAD, G_DTYPE, ALIGNED) + start[:, None]
     v_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
-
-    cols = tl.arange(0, BLOCK)[None, :]
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
-            o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, g_ptr + o, v_ptr + o, None, gm, ratio, lam, lr_c, mu, keep,
-                        add, P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum)
+    if CD == tl.float32:  # low-precision state is float32 compute only
+        fmt = tl.load(rec + FORMAT).to(tl.int32)
+        if any_row(fmt != 0):
+            _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, lr_c, mu,
+                        keep, add, P_DTYPE, HAS_MASTER, ALIGNED, ROWS, BLOCK, nesterov,
+                        lr_in_momentum)
+        else:
+            _pass2_full(w_ptr, p_ptr, g_ptr, v_ptr, n, gm, ratio[:, None], lam, lr_c, mu,
+                        keep[:, None], add[:, None], P_DTYPE, CD, HAS_MASTER, nesterov,
+                        lr_in_momentum, CHUNK, BLOCK)
     else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, g_ptr + o, v_ptr + o, o < n[:, None], gm, ratio, lam, lr_c,
-                        mu, keep, add, P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum)
+        _pass2_full(w_ptr, p_ptr, g_ptr, v_ptr, n, gm, ratio[:, None], lam, lr_c, mu, keep[:, None],
+                    add[:, None], P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum, CHUNK, BLOCK)

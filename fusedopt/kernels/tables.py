@@ -4,8 +4,9 @@ The kernels never receive a Python list of tensors. A set of ``n`` tensors is de
 
 * ``records``: int64 ``[n, RECORD]``, one row per tensor: the data pointers of its param, grad,
   master, the two state tensors and the step count (0 where the kernel does not use one), its
-  ``numel``, the index of its first chunk and ``OUT``, the tensor's row in the pass's output
-  ``sums`` (its index in the bucket);
+  ``numel``, the index of its first chunk, ``OUT``, the tensor's row in the pass's output
+  ``sums`` (its index in the bucket), and the ``FORMAT`` and ``KEY`` of its state (Note [state
+  formats in the tables]);
 * ``owner``: int32, the tensor of each chunk. Tensor ``i`` is cut into
   ``max(1, ceil(numel / CHUNK_SIZE))`` chunks (a 0-size tensor still gets one: it writes its sums
   and its step count). A program takes ``ROWS`` consecutive chunks, one per row of its
@@ -35,7 +36,7 @@ without workspace (the functional API) builds its tables per call.
 Note [launch limit]: one launch covers at most ``MAX_TENSORS_PER_LAUNCH`` tensors; a larger set
 is cut into consecutive slices with one set of launches each (and its own table), so the
 launches per step are constant up to that many tensors and grow by one set per further slice.
-The limit bounds the size of one table (72 B per tensor) and of one host-to-device copy; it is a
+The limit bounds the size of one table (88 B per tensor) and of one host-to-device copy; it is a
 module attribute so tests can lower it.
 
 Note [runtime flags]: a kernel's constexprs are structural only: dtypes, whether fp32 masters
@@ -51,6 +52,26 @@ launch are one per dtype combination, masters and alignment: a few hundred, all 
 tests (docs/triton_kernels.md), where constexpr switches would multiply them to tens of
 thousands, each one a compile on the first step that uses it.
 
+Note [state formats in the tables]: docs/math.md's low-precision state is per tensor (told by the
+state tensor's dtype: bfloat16 is bf16, uint8 the packed 8-bit format), so one launch may hold
+tensors of every format. Each record carries ``FORMAT`` (0 full, 1 bf16, 2 8-bit, from the first
+state list) and ``KEY``, the tensor's key in the random bits of stochastic rounding (the bucket's
+``keys``, or its index in the bucket, as the cpp backend), and the kernels branch on them per
+program: a program whose rows are all full-state runs the code it ran before formats existed,
+and one with a low-precision row runs each format present among its rows with a mask per row
+(on the GPU a program has one row, so one format). No specialization is added. An 8-bit tensor's
+codes start ``q8_codes_offset(numel)`` bytes into its packed tensor, which the kernels compute
+from ``NUMEL``. Its blocks of 256 elements count from the tensor's first element: chunks start
+at multiples of ``CHUNK_SIZE`` and tiles at multiples of ``BLOCK_SIZE`` within a chunk, so both
+must be multiples of 256 (checked when a table with low-precision state is built), and a tile
+holds whole blocks (the last one of a tensor may be short).
+
+Note [no FMA]: docs/math.md states the update as one IEEE rounding per operation, and the cpp
+backend does not contract a multiply and an add into an FMA; Triton does by default
+(``enable_fp_fusion``), which changes the last bit of a product-sum, and with it an 8-bit code
+or a stochastic rounding. Every launch and compilation passes ``enable_fp_fusion=False`` (ptxas
+then runs with ``--fmad=false``); the interpreter has no FMA anyway.
+
 Note [device guard]: Triton launches on ``torch.cuda.current_device()`` and that device's current
 stream. Every launch (and compilation) runs under a guard of its table's device, so a bucket on
 ``cuda:1`` runs in cuda:1's context, ordered after the work queued on cuda:1's current stream,
@@ -61,7 +82,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from operator import methodcaller
+from operator import attrgetter, methodcaller
 from typing import Sequence
 
 import torch
@@ -91,8 +112,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # read when triton makes its choi
 REDUCE_BLOCK = 128
 
 # Columns of a record (kernels/common.py reads them by these numbers).
-PARAM, GRAD, MASTER, STATE0, STATE1, STEP, NUMEL, FIRST_CHUNK, OUT = range(9)
-RECORD = 9
+PARAM, GRAD, MASTER, STATE0, STATE1, STEP, NUMEL, FIRST_CHUNK, OUT, FORMAT, KEY = range(11)
+RECORD = 11
+# FORMAT codes (Note [state formats in the tables]), by the dtype of a state tensor
+FULL_STATE, BF16_STATE, Q8_STATE = 0, 1, 2
+STATE_FORMATS = {torch.bfloat16: BF16_STATE, torch.uint8: Q8_STATE}
+Q8_BLOCK = 256  # elements per 8-bit block (docs/math.md)
 # Bits of ``flags`` (Note [runtime flags]); kernels/common.py reads them by these numbers.
 FLAG_BITS = dict(LR_TENSOR=1, BIAS_CORRECTION=2, ADAPT=4, BOUNDED=8, COMBINED=16, TRUST_CLIP=32,
                  NESTEROV=64, LR_IN_MOMENTUM=128)
@@ -153,7 +178,8 @@ def launch(kernel, table: Table, **kwargs) -> None:
     _launches += 1
     try:
         with device_guard(table.device):
-            kernel[(table.num_programs,)](num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **kwargs)
+            kernel[(table.num_programs,)](num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+                                          enable_fp_fusion=False, **kwargs)
     except Exception as e:
         table.counters.zero_()  # a launch that stopped half-way may leave norm counters nonzero
         raise KernelError(_kernel_name(kernel), specialization(kwargs), "compile or launch", e) from e
@@ -165,7 +191,7 @@ def compile_only(kernel, table: Table, **kwargs) -> None:
     try:
         with device_guard(table.device):
             kernel.warmup(grid=(table.num_programs,), num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
-                          **kwargs)
+                          enable_fp_fusion=False, **kwargs)
     except Exception as e:
         raise KernelCompileError(_kernel_name(kernel), specialization(kwargs), "compile", e) from e
 
@@ -259,7 +285,8 @@ def _ptrs(tensors: Sequence[torch.Tensor] | None, n: int) -> tuple[int, ...]:
 
 
 def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[int, ...],
-           idx: Sequence[int], aligned: bool) -> Table:
+           idx: Sequence[int], aligned: bool, formats: tuple[int, ...] | None,
+           keys: tuple[int, ...] | None) -> Table:
     global _builds
     _builds += 1
     n = len(idx)
@@ -268,7 +295,10 @@ def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[i
     for k in counts:
         firsts.append(c)
         c += k
-    rows = [[col[i] for col in columns] + [numels[i], f, i] for i, f in zip(idx, firsts)]
+    rows = [[col[i] for col in columns]
+            + [numels[i], f, i, 0 if formats is None else formats[i],
+               i if keys is None else keys[i]]
+            for i, f in zip(idx, firsts)]
     records = torch.tensor(rows, dtype=torch.int64).reshape(n, RECORD)
     programs = -(-c // ROWS)
     owner = torch.full((programs * ROWS,), -1, dtype=torch.int32)
@@ -294,13 +324,34 @@ def _partition(columns: list[tuple[int, ...]], n: int) -> list[tuple[list[int], 
     return out
 
 
+_DTYPE = attrgetter("dtype")
+
+
+def state_formats(states: Sequence[torch.Tensor] | None) -> tuple[int, ...] | None:
+    """The FORMAT of each state tensor (Note [state formats in the tables]), or None when every
+    one is full state (the common case, decided from the set of their dtypes)."""
+    if states is None or not set(map(_DTYPE, states)) & STATE_FORMATS.keys():
+        return None
+    return tuple(STATE_FORMATS.get(x.dtype, FULL_STATE) for x in states)
+
+
+def check_tiles(formats: tuple[int, ...] | None) -> None:
+    """Note [state formats in the tables]: tiles of whole 8-bit blocks."""
+    if formats is not None and (CHUNK_SIZE % Q8_BLOCK or BLOCK_SIZE % Q8_BLOCK):
+        raise ValueError(f"fusedopt triton backend: low-precision state needs CHUNK_SIZE and "
+                         f"BLOCK_SIZE that are multiples of {Q8_BLOCK} (got {CHUNK_SIZE} and "
+                         f"{BLOCK_SIZE})")
+
+
 def tables(tensors: Sequence[Sequence[torch.Tensor] | None], store: TableStore | None = None,
-           role: str = "pass") -> list[Table]:
+           role: str = "pass", keys: torch.Tensor | Sequence[int] | None = None) -> list[Table]:
     """Tables for the tensors ``[params, grads, masters, state0, state1, steps]`` (entries may be
     None; the first list gives the device and each tensor's ``numel``), in launch-sized slices.
+    ``keys``: the keys of the random bits of stochastic rounding (Note [state formats in the
+    tables]; None: each tensor's index in the lists), recorded only for low-precision state.
 
-    With a ``store``, the tables of ``role`` are reused while every pointer and size is the same
-    (Note [table ownership]); without, they are built for this call.
+    With a ``store``, the tables of ``role`` are reused while every pointer and size (and state
+    format and key) is the same (Note [table ownership]); without, they are built for this call.
     """
     tensors = list(tensors) + [None] * (STEP + 1 - len(tensors))
     first = tensors[0]
@@ -308,14 +359,25 @@ def tables(tensors: Sequence[Sequence[torch.Tensor] | None], store: TableStore |
     device = first[0].device
     columns = [_ptrs(ts, n) for ts in tensors]
     numels = tuple(map(_NUMEL, first))
-    key = (device, CHUNK_SIZE, ROWS, MAX_TENSORS_PER_LAUNCH, tuple(columns), numels)
+    formats = state_formats(tensors[STATE0])
+    check_tiles(formats)
+    if formats is not None and keys is not None:
+        keys = tuple(keys.tolist() if isinstance(keys, torch.Tensor) else map(int, keys))
+        if len(keys) != n:
+            raise ValueError(f"fusedopt triton backend: keys must hold one key per tensor ({n}), "
+                             f"got {len(keys)}")
+    else:
+        keys = None
+    key = (device, CHUNK_SIZE, ROWS, MAX_TENSORS_PER_LAUNCH, tuple(columns), numels,
+           formats, keys)
     if store is not None:
         hit = store.entries.get(role)
         if hit is not None and hit[0] == key:
             return hit[1]
     if capturing(device):
         raise RuntimeError(_CAPTURE_MSG)
-    built = [_build(device, columns, numels, idx, aligned) for idx, aligned in _partition(columns, n)]
+    built = [_build(device, columns, numels, idx, aligned, formats, keys)
+             for idx, aligned in _partition(columns, n)]
     if store is not None:
         store.entries[role] = (key, built)
     return built
