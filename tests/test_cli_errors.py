@@ -41,6 +41,7 @@ DEMO_BAD = {
     "warmup_start_factor": ("1.5", "warmup_start_factor '1.5'"),
     "decay": ("linear", "decay 'linear'"),
     "power": ("0", "power '0'"),
+    "state_precision": ("fp8", "state_precision 'fp8'"),
 }
 SWEEP_BAD = {
     "label": ("x", "cannot be set"),
@@ -52,6 +53,7 @@ SWEEP_BAD = {
     "trust_coefficient": ("-0.001", "trust_coefficient '-0.001'"),
     "betas": ("(0.9, 1.0)", "betas '(0.9, 1.0)'"),
     "eps": ("-1e-6", "eps '-1e-6'"),
+    "state_precision": ("int4", "state_precision 'int4'"),
 }
 
 
