@@ -308,3 +308,52 @@ def test_plain_amp_autocast_bf16_loss_falls():
     scaler = torch.amp.GradScaler("cpu")
     _, losses = _amp_train(12, scaler=scaler, autocast=True)
     assert falls(losses), losses
+
+
+# ------------------------------------------------------------------ the page's code, as written
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                   "integrations.md")
+# The only edits made to the page's code before it runs: step counts a test can afford. Each
+# must apply somewhere, so that the table follows the page.
+SHRINK = {"10_000": "4", "warmup_steps=500": "warmup_steps=1", "save_steps=1000": "save_steps=2",
+          "per_device_train_batch_size=32": "per_device_train_batch_size=4"}
+
+
+def _doc_blocks() -> list[str]:
+    text = open(DOC, encoding="utf-8").read()
+    return [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+
+
+def test_the_page_code_runs_as_written(tmp_path, monkeypatch):
+    """Every python block of docs/integrations.md, in order, in one namespace (a block may use
+    what an earlier one defined), each given a fresh `model` and its data: the tiny BERT with
+    `train_ds` / `loader` of token batches, or for the AMP block (`model(x)`) a small
+    classifier with a loader of (x, y)."""
+    for name in ("transformers", "accelerate", "lightning"):
+        _needs(name)
+    monkeypatch.chdir(tmp_path)  # the blocks write out/, ckpt, lightning_logs/ where they run
+    blocks = _doc_blocks()
+    assert len(blocks) >= 6, "docs/integrations.md lost its recipes"
+    used = set()
+    ns: dict = {"torch": torch}
+    gen = torch.Generator().manual_seed(0)
+    for i, code in enumerate(blocks):
+        for old, new in SHRINK.items():
+            if old in code:
+                used.add(old)
+                code = code.replace(old, new)
+        if "model(x)" in code:
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 3))
+            xs, ys = torch.randn(32, 8, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+            ns.update(model=model, loader=torch.utils.data.DataLoader(
+                list(zip(xs, ys)), batch_size=4))
+        else:
+            data = token_data()
+            ns.update(model=tiny_bert(), train_ds=data, loader=_loader(data))
+        try:
+            exec(compile(code, f"docs/integrations.md block {i + 1}", "exec"), ns)
+        except Exception as e:
+            raise AssertionError(f"docs/integrations.md block {i + 1} fails as written: "
+                                 f"{type(e).__name__}: {e}\n{code}") from e
+    assert used == set(SHRINK), f"SHRINK entries no block needs: {set(SHRINK) - used}"
