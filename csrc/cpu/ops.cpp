@@ -477,8 +477,8 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __res
       vc[k] = cv;
       ub[k] = lamb_direction_s<float>(wb[k], q8_signed_value(cm, fm), q8_root_value(cv, fv), c);
     }
-    if (!mt.finite) std::memset(mc, 0, static_cast<size_t>(len));
-    if (!vt.finite) std::memset(vc, 0, static_cast<size_t>(len));
+    if (!mt.finite && len > 0) std::memset(mc, 0, static_cast<size_t>(len));
+    if (!vt.finite && len > 0) std::memset(vc, 0, static_cast<size_t>(len));
     w_sq.add(wb, len);
     u_sq.add(ub, len);
   }
@@ -568,7 +568,7 @@ FUSEDOPT_INLINE void lars_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
       w[b + k] = static_cast<W>(nw);
       store_param(p, b + k, nw);
     }
-    if (!t.finite) std::memset(vc, 0, static_cast<size_t>(len));
+    if (!t.finite && len > 0) std::memset(vc, 0, static_cast<size_t>(len));
   }
 }
 

@@ -129,10 +129,10 @@ struct LambPass1Of {
       for (int k = 0; k < M; ++k) {
         float mk = bf16_value(mr[k]);
         float vk = bf16_value(vr[k]);
-        lamb_moments_rn(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
+        lamb_moments<float>(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
         mr[k] = bf16_rne(mk);
         vr[k] = bf16_stochastic(vk, sr_bits(sc.base, begin + off + k));
-        const float u = lamb_direction_rn(wr[k], bf16_value(mr[k]), bf16_value(vr[k]), sc.c);
+        const float u = lamb_direction<float>(wr[k], bf16_value(mr[k]), bf16_value(vr[k]), sc.c);
         if (k < n) {
           acc[0] += wr[k] * wr[k];
           acc[1] += u * u;
@@ -174,7 +174,7 @@ struct LambPass1Of {
         float mk = q8_signed_value(mc[k], fm0);
         const float sk = q8_root_value(vc[k], fv0);
         float vk = mul_rn(sk, sk);
-        lamb_moments_rn(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
+        lamb_moments<float>(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
         mr[k] = mk;
         vr[k] = vk;
         if (k < n) {
@@ -199,7 +199,7 @@ struct LambPass1Of {
         mc[k] = finite[0] ? q8_signed_code(mr[k], qm) : static_cast<signed char>(0);
         vc[k] = finite[1] ? q8_root_code(sqrt_rn(vr[k]), qv, sr_bits(sc.base, begin + off + k))
                           : static_cast<unsigned char>(0);
-        const float u = lamb_direction_s_rn(wr[k], q8_signed_value(mc[k], fm),
+        const float u = lamb_direction_s<float>(wr[k], q8_signed_value(mc[k], fm),
                                             q8_root_value(vc[k], fv), sc.c);
         if (k < n) {
           acc[0] += wr[k] * wr[k];
@@ -262,13 +262,8 @@ struct LambPass2 {
       const T phi = lamb_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], h);
       unsigned char format = kFullState;
       if constexpr (kLowp) format = slot_format(t, kState, slot);
-      T decay;
-      if constexpr (kLowp) {
-        decay = format != kFullState ? lamb_decay_rn(h, lr_value) : lamb_decay<T>(h, lr_value);
-      } else {
-        decay = lamb_decay<T>(h, lr_value);
-      }
-      return Scalars{lamb_coef<T>(h, step), static_cast<T>(lr_value) * phi, decay, format};
+      return Scalars{lamb_coef<T>(h, step), mul_rn(static_cast<T>(lr_value), phi),
+                     lamb_decay<T>(h, lr_value), format};
     });
     W* w = chunk_ptr<W>(t, kW, slot, begin);
     P* p = nullptr;
@@ -311,8 +306,8 @@ struct LambPass2 {
       load_group(vr, v, off, n, vec);
 #pragma unroll
       for (int k = 0; k < M; ++k) {
-        const float u = lamb_direction_rn(wr[k], bf16_value(mr[k]), bf16_value(vr[k]), sc.c);
-        wr[k] = lamb_apply_rn(wr[k], u, sc.lr_phi, sc.decay);
+        const float u = lamb_direction<float>(wr[k], bf16_value(mr[k]), bf16_value(vr[k]), sc.c);
+        wr[k] = lamb_apply<float>(wr[k], u, sc.lr_phi, sc.decay);
       }
       store_group(w, wr, off, n, vec);
       if constexpr (kHasParam) store_group(p, wr, off, n, vec);
@@ -340,9 +335,9 @@ struct LambPass2 {
       const float fm = m.scales[q], fv = v.scales[q];
 #pragma unroll
       for (int k = 0; k < L; ++k) {
-        const float u = lamb_direction_s_rn(wr[k], q8_signed_value(mc[k], fm),
+        const float u = lamb_direction_s<float>(wr[k], q8_signed_value(mc[k], fm),
                                             q8_root_value(vc[k], fv), sc.c);
-        wr[k] = lamb_apply_rn(wr[k], u, sc.lr_phi, sc.decay);
+        wr[k] = lamb_apply<float>(wr[k], u, sc.lr_phi, sc.decay);
       }
       store_group(w, wr, off, n, vec && whole);
       if constexpr (kHasParam) store_group(p, wr, off, n, vec && whole);

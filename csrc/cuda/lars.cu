@@ -109,13 +109,7 @@ struct LarsPass2 {
       const int64_t i = t.index[slot];
       unsigned char format = kFullState;
       if constexpr (kLowp) format = slot_format(t, kState, slot);
-      T ratio;
-      if constexpr (kLowp) {
-        ratio = format != kFullState ? lars_trust_ratio_rn(sums[2 * i], sums[2 * i + 1], hl)
-                                     : lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
-      } else {
-        ratio = lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
-      }
+      const T ratio = lars_trust_ratio<T>(sums[2 * i], sums[2 * i + 1], hl);
       const float step = *static_cast<const float*>(t.ptrs[kStep][slot]);
       return Scalars{lars_coef<T>(hl, ratio, step), grad_mult != nullptr ? *grad_mult : T(1),
                      format};
@@ -159,9 +153,9 @@ struct LarsPass2 {
       load_group(vr, buf, off, n, vec);
 #pragma unroll
       for (int k = 0; k < M; ++k) {
-        const float d = lars_direction_rn(wr[k], mul_rn(gr[k], sc.gm), sc.c);
-        vr[k] = bf16_rne(lars_buffer_rn(d, bf16_value(vr[k]), sc.c));
-        wr[k] = lars_step_rn(wr[k], d, bf16_value(vr[k]), sc.c);
+        const float d = lars_direction<float>(wr[k], mul_rn(gr[k], sc.gm), sc.c);
+        vr[k] = bf16_rne(lars_buffer<float>(d, bf16_value(vr[k]), sc.c));
+        wr[k] = lars_step<float>(wr[k], d, bf16_value(vr[k]), sc.c);
       }
       store_group(buf, vr, off, n, vec);
       store_group(w, wr, off, n, vec);
@@ -192,8 +186,8 @@ struct LarsPass2 {
       bool finite[1] = {true};
 #pragma unroll
       for (int k = 0; k < L; ++k) {
-        dr[k] = lars_direction_rn(wr[k], mul_rn(gr[k], sc.gm), sc.c);
-        vr[k] = lars_buffer_rn(dr[k], q8_signed_value(vc[k], f0), sc.c);
+        dr[k] = lars_direction<float>(wr[k], mul_rn(gr[k], sc.gm), sc.c);
+        vr[k] = lars_buffer<float>(dr[k], q8_signed_value(vc[k], f0), sc.c);
         if (k < n) lane_top(vr[k], top[0], finite[0]);
       }
       // every lane has read the block's old scale: lane 0 may write the new one below
@@ -205,7 +199,7 @@ struct LarsPass2 {
       for (int k = 0; k < L; ++k) {
         // a block that is not finite stores codes 0 (and reads as NaN through its scale)
         vc[k] = finite[0] ? q8_signed_code(vr[k], qf) : static_cast<signed char>(0);
-        wr[k] = lars_step_rn(wr[k], dr[k], q8_signed_value(vc[k], f), sc.c);
+        wr[k] = lars_step<float>(wr[k], dr[k], q8_signed_value(vc[k], f), sc.c);
       }
       store_codes(buf.codes, vc, off, n, vec8 && whole);
       store_group(w, wr, off, n, vec && whole);

@@ -15,6 +15,38 @@
 
 namespace fusedopt {
 
+// Note [rounded operations]: every floating-point operation of this header is one IEEE rounding
+// (to nearest even) in the order written, on the host and on a GPU, so that the backends store
+// the same bits (docs/math.md). nvcc contracts a*b + c into a fused multiply-add by default and
+// --use_fast_math makes division and square root approximate; the __f*_rn / __d*_rn intrinsics
+// are never contracted nor approximated. The host spelling is the plain operator, which the C++
+// builds do not contract (-ffp-contract=off).
+#if defined(__CUDA_ARCH__)
+#define FUSEDOPT_RN(name, f_op, d_op, expr)                                      \
+  template <typename T>                                                         \
+  FUSEDOPT_HD T name(T a, T b) {                                                \
+    if constexpr (sizeof(T) == sizeof(float)) return f_op(a, b); else return d_op(a, b); \
+  }
+#else
+#define FUSEDOPT_RN(name, f_op, d_op, expr) \
+  template <typename T>                     \
+  FUSEDOPT_HD T name(T a, T b) { return expr; }
+#endif
+FUSEDOPT_RN(mul_rn, __fmul_rn, __dmul_rn, a * b)
+FUSEDOPT_RN(add_rn, __fadd_rn, __dadd_rn, a + b)
+FUSEDOPT_RN(sub_rn, __fsub_rn, __dsub_rn, a - b)
+FUSEDOPT_RN(div_rn, __fdiv_rn, __ddiv_rn, a / b)
+#undef FUSEDOPT_RN
+
+template <typename T>
+FUSEDOPT_HD T sqrt_rn(T a) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == sizeof(float)) return __fsqrt_rn(a); else return __dsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
 // Host-side scalars of one param group, member for member the dataclasses LambHyper / LarsHyper
 // of fusedopt/_hyper.py (Note [hyper fields] in csrc/cpu/ops.h); booleans arrive as 0/1, a
 // missing max_grad_norm as NaN. max_grad_norm is the engine's (global clipping happens before
@@ -101,13 +133,13 @@ FUSEDOPT_HD LambCoef<T> lamb_coef(const LambHyper& h, double t) {
 // where it lives (a device tensor on CUDA), so the factor is formed beside the kernel.
 template <typename T>
 FUSEDOPT_HD T lamb_decay(const LambHyper& h, double lr) {
-  return h.decoupled ? T(1.0 - lr * h.weight_decay) : T(1);
+  return h.decoupled ? T(sub_rn(1.0, mul_rn(lr, h.weight_decay))) : T(1);
 }
 
 template <typename T>
 FUSEDOPT_HD void lamb_moments(T g, T& m, T& v, const LambCoef<T>& c) {
-  m = c.beta1 * m + c.beta3 * g;
-  v = c.beta2 * v + c.one_minus_beta2 * g * g;
+  m = add_rn(mul_rn(c.beta1, m), mul_rn(c.beta3, g));
+  v = add_rn(mul_rn(c.beta2, v), mul_rn(mul_rn(c.one_minus_beta2, g), g));
 }
 
 // u = m_hat / (sqrt(v_hat) + eps) + lambda*w. Pass 1 (for |u|^2) and pass 2 (for the update)
@@ -122,21 +154,21 @@ FUSEDOPT_HD void lamb_moments(T g, T& m, T& v, const LambCoef<T>& c) {
 // The same with s = sqrt(v) given (low-precision state stores s for 8-bit: Note [state formats]).
 template <typename T>
 FUSEDOPT_HD T lamb_direction_s(T w, T m, T s, const LambCoef<T>& c) {
-  return (m * c.r1) / (s * c.r2 + c.eps) + c.lambda_in_u * w;
+  return add_rn(div_rn(mul_rn(m, c.r1), add_rn(mul_rn(s, c.r2), c.eps)), mul_rn(c.lambda_in_u, w));
 }
 
 template <typename T>
 FUSEDOPT_HD T lamb_direction(T w, T m, T v, const LambCoef<T>& c) {
-  return lamb_direction_s<T>(w, m, std::sqrt(v), c);
+  return lamb_direction_s<T>(w, m, sqrt_rn(v), c);
 }
 
 // phi = |w| / |u| (zero-norm rule), clamped to the bounds; 1 when not adapting.
 template <typename T>
 FUSEDOPT_HD T lamb_trust_ratio(T w_sq, T u_sq, const LambHyper& h) {
   if (!h.adapt) return T(1);
-  const T w_n = std::sqrt(w_sq);
-  const T u_n = std::sqrt(u_sq);
-  T phi = zero_norm_rule<T>(w_n, u_n, w_n / u_n);
+  const T w_n = sqrt_rn(w_sq);
+  const T u_n = sqrt_rn(u_sq);
+  T phi = zero_norm_rule<T>(w_n, u_n, div_rn(w_n, u_n));
   if (h.bounded) phi = phi < T(h.ratio_lo) ? T(h.ratio_lo) : (phi > T(h.ratio_hi) ? T(h.ratio_hi) : phi);
   return phi;
 }
@@ -144,7 +176,7 @@ FUSEDOPT_HD T lamb_trust_ratio(T w_sq, T u_sq, const LambHyper& h) {
 // w <- w*decay - lr_phi*u, with decay = 1 - lr*lambda (decoupled) or 1, lr_phi = lr*phi.
 template <typename T>
 FUSEDOPT_HD T lamb_apply(T w, T u, T lr_phi, T decay) {
-  return w * decay - lr_phi * u;
+  return sub_rn(mul_rn(w, decay), mul_rn(lr_phi, u));
 }
 
 // ---------------------------------------------------------------------------------------- LARS
@@ -155,10 +187,11 @@ FUSEDOPT_HD T lamb_apply(T w, T u, T lr_phi, T decay) {
 template <typename T>
 FUSEDOPT_HD T lars_trust_ratio(T w_sq, T g_sq, const LarsHyper& h) {
   if (!h.adapt) return T(1);
-  const T w_n = std::sqrt(w_sq);
-  const T g_n = std::sqrt(g_sq);
-  const T den = h.combined ? g_n + T(h.eps) : g_n + T(h.weight_decay) * w_n + T(h.eps);
-  T ratio = zero_norm_rule<T>(w_n, g_n, T(h.trust_coefficient) * w_n / den);
+  const T w_n = sqrt_rn(w_sq);
+  const T g_n = sqrt_rn(g_sq);
+  const T den = h.combined ? add_rn(g_n, T(h.eps))
+                           : add_rn(add_rn(g_n, mul_rn(T(h.weight_decay), w_n)), T(h.eps));
+  T ratio = zero_norm_rule<T>(w_n, g_n, div_rn(mul_rn(T(h.trust_coefficient), w_n), den));
   if (h.trust_clip && ratio > T(1)) ratio = T(1);
   return ratio;
 }
@@ -199,12 +232,12 @@ FUSEDOPT_HD LarsCoef<T> lars_coef(const LarsHyper& h, T ratio, double t) {
 // d = ratio*(g + lambda*w) and the new buffer keep*v + add*d.
 template <typename T>
 FUSEDOPT_HD T lars_direction(T w, T g, const LarsCoef<T>& c) {
-  return c.ratio * (g + c.lambda * w);
+  return mul_rn(c.ratio, add_rn(g, mul_rn(c.lambda, w)));
 }
 
 template <typename T>
 FUSEDOPT_HD T lars_buffer(T d, T v, const LarsCoef<T>& c) {
-  return c.keep * v + c.add * d;
+  return add_rn(mul_rn(c.keep, v), mul_rn(c.add, d));
 }
 
 // The new w = w - step from d and the buffer v as stored, where
@@ -214,11 +247,11 @@ template <typename T>
 FUSEDOPT_HD T lars_step(T w, T d, T v, const LarsCoef<T>& c) {
   T step;
   if (c.lr_in_momentum) {
-    step = c.nesterov ? c.lr * d + c.mu * v : v;
+    step = c.nesterov ? add_rn(mul_rn(c.lr, d), mul_rn(c.mu, v)) : v;
   } else {
-    step = c.nesterov ? c.lr * (d + c.mu * v) : c.lr * v;
+    step = c.nesterov ? mul_rn(c.lr, add_rn(d, mul_rn(c.mu, v))) : mul_rn(c.lr, v);
   }
-  return w - step;
+  return sub_rn(w, step);
 }
 
 // lars_direction, lars_buffer (v updated) and lars_step: the step with full-precision state.
@@ -353,126 +386,6 @@ FUSEDOPT_HD unsigned char q8_root_code(float s, float q, unsigned int bits) {
 
 FUSEDOPT_HD float q8_root_value(unsigned char c, float f) {
   return bits_float(static_cast<unsigned int>(c + kRootOffset) << 19) * f;
-}
-
-// Note [rounded operations]: the float32 operations of the low-precision paths, one IEEE rounding
-// (to nearest even) each, also on a GPU. nvcc contracts a*b + c into a fused multiply-add by
-// default, and --use_fast_math would make division and square root approximate; the __f*_rn
-// intrinsics are never contracted nor approximated. The host spelling is the plain operator,
-// which the C++ builds do not contract (-ffp-contract=off), so each function below equals, bit
-// for bit on the host, the function of this header whose name it extends with _rn, and the CUDA
-// kernels store the bits that the cpp backend stores (csrc/cuda/lowp.cuh).
-FUSEDOPT_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-FUSEDOPT_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-FUSEDOPT_HD float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-FUSEDOPT_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-FUSEDOPT_HD float sqrt_rn(float a) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(a);
-#else
-  return std::sqrt(a);
-#endif
-}
-
-FUSEDOPT_HD double dmul_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-FUSEDOPT_HD double dsub_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-// lamb_moments, lamb_direction_s, lamb_direction, lamb_apply and lamb_decay in float32 with
-// rounded operations (Note [rounded operations]).
-FUSEDOPT_HD void lamb_moments_rn(float g, float& m, float& v, const LambCoef<float>& c) {
-  m = add_rn(mul_rn(c.beta1, m), mul_rn(c.beta3, g));
-  v = add_rn(mul_rn(c.beta2, v), mul_rn(mul_rn(c.one_minus_beta2, g), g));
-}
-
-FUSEDOPT_HD float lamb_direction_s_rn(float w, float m, float s, const LambCoef<float>& c) {
-  return add_rn(div_rn(mul_rn(m, c.r1), add_rn(mul_rn(s, c.r2), c.eps)),
-                mul_rn(c.lambda_in_u, w));
-}
-
-FUSEDOPT_HD float lamb_direction_rn(float w, float m, float v, const LambCoef<float>& c) {
-  return lamb_direction_s_rn(w, m, sqrt_rn(v), c);
-}
-
-FUSEDOPT_HD float lamb_apply_rn(float w, float u, float lr_phi, float decay) {
-  return sub_rn(mul_rn(w, decay), mul_rn(lr_phi, u));
-}
-
-FUSEDOPT_HD float lamb_decay_rn(const LambHyper& h, double lr) {
-  return h.decoupled ? static_cast<float>(dsub_rn(1.0, dmul_rn(lr, h.weight_decay))) : 1.0f;
-}
-
-// lars_trust_ratio, lars_direction, lars_buffer and lars_step in float32 with rounded operations.
-FUSEDOPT_HD float lars_trust_ratio_rn(float w_sq, float g_sq, const LarsHyper& h) {
-  if (!h.adapt) return 1.0f;
-  const float w_n = sqrt_rn(w_sq);
-  const float g_n = sqrt_rn(g_sq);
-  const float eps = static_cast<float>(h.eps);
-  const float den = h.combined
-                        ? add_rn(g_n, eps)
-                        : add_rn(add_rn(g_n, mul_rn(static_cast<float>(h.weight_decay), w_n)), eps);
-  float ratio = zero_norm_rule<float>(
-      w_n, g_n, div_rn(mul_rn(static_cast<float>(h.trust_coefficient), w_n), den));
-  if (h.trust_clip && ratio > 1.0f) ratio = 1.0f;
-  return ratio;
-}
-
-FUSEDOPT_HD float lars_direction_rn(float w, float g, const LarsCoef<float>& c) {
-  return mul_rn(c.ratio, add_rn(g, mul_rn(c.lambda, w)));
-}
-
-FUSEDOPT_HD float lars_buffer_rn(float d, float v, const LarsCoef<float>& c) {
-  return add_rn(mul_rn(c.keep, v), mul_rn(c.add, d));
-}
-
-FUSEDOPT_HD float lars_step_rn(float w, float d, float v, const LarsCoef<float>& c) {
-  float step;
-  if (c.lr_in_momentum) {
-    step = c.nesterov ? add_rn(mul_rn(c.lr, d), mul_rn(c.mu, v)) : v;
-  } else {
-    step = c.nesterov ? mul_rn(c.lr, add_rn(d, mul_rn(c.mu, v))) : mul_rn(c.lr, v);
-  }
-  return sub_rn(w, step);
 }
 
 // Whether x is finite, as the sum of x*0 over a block tests it (0 for finite x, NaN otherwise).
