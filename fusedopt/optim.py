@@ -648,8 +648,10 @@ class _TrustRatioOptimizer(Optimizer):
     # ------------------------------------------------------------ checkpoint
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, except that float32 state of low-precision params stays float32, the
-        step count stays a float32 tensor on the param's device (torch would cast both), and each
-        group keeps the ``backend`` it was built with (how this process runs, not state)."""
+        step count stays a float32 tensor on the param's device (torch would cast both), each
+        group keeps the options of ``_OWN_OPTIONS`` it has (how this process runs and stores the
+        step, not what was learned), and moments saved in another format than the group's
+        ``state_precision`` gives them are converted (one warning)."""
         own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
         super().load_state_dict(state_dict)
         _unshare_lrs(self.param_groups)
@@ -739,6 +741,12 @@ class FusedLAMB(_TrustRatioOptimizer):
             state saved in another format (with a warning).
         state_min_numel: params with fewer elements keep full state (default 4096); a param
             can also be put in a group of its own with ``state_precision="full"``.
+        maximize: step against the gradient's sign, as torch.optim's (the grads are read times
+            -1: bit for bit the step on negated grads).
+        foreach, fused: accepted as torch.optim accepts them; they change nothing (every
+            backend is multi-tensor; ``backend`` chooses the kernels). ``fused=True`` with
+            ``backend="eager"`` is refused.
+        differentiable: only False (a step runs without autograd, in place).
         capturable: accepted for drop-in compatibility with torch optimizers. fusedopt steps are
             always capturable in a CUDA graph: step counts live on the param's device, ``lr`` may
             be a tensor, and ``step()`` reads no tensor value on the host (a tensor ``lr`` is
