@@ -168,6 +168,11 @@ BAD: list[tuple[list[str], str]] = [
     (["demo", "sweep", "--lr-grid", "1,-2"], "multipliers must be finite and > 0"),
     (["demo", "sweep", "--lr-grid", "nan"], "multipliers must be finite and > 0"),
     (["demo", "sweep", "--lr-grid", "abc"], "--lr-grid 'abc'"),
+    (["demo", "sweep", "--tuning", "best"], "--tuning 'best'"),
+    (["demo", "sweep", "--tuning", ""], "--tuning ''"),
+    (["demo", "sweep", "--lr-cap", "0"], "--lr-cap 0"),
+    (["demo", "sweep", "--lr-cap", "21"], "--lr-cap 21"),
+    (["demo", "sweep", "--lr-cap", "2.5"], "argument --lr-cap: invalid int value"),
     (["demo", "sweep", "--batches", ","], "empty"),
     (["demo", "sweep", "--batches", "16,abc"], "'abc' is not an integer"),
     (["demo", "sweep", "--batches", "1.5"], "'1.5' is not an integer"),
@@ -191,6 +196,9 @@ BAD: list[tuple[list[str], str]] = [
      "the LR of lamb at batch"),
     (["demo", "sweep", "--optimizers", "lars", "--set", "lars.base_lr=1e30", "--lr-grid", "1e300",
       "--batches", "16"], "the LR of lars at batch 16"),
+    # the wide search's cap reaches an LR that overflows: refused before the tuning starts
+    (["demo", "sweep", "--optimizers", "lars", "--set", "lars.base_lr=1e36", "--lr-cap", "10",
+      "--batches", "16"], "--lr-cap: the LR of lars at batch 16"),
     # ---------------------------------------------------------------- check, bench, top level
     (["check", "--device", "tpu"], "--device 'tpu'"),
     (["check", "--device", "cuda:99"], "--device cuda:99"),
@@ -209,7 +217,8 @@ BAD: list[tuple[list[str], str]] = [
 
 
 # Checked once the data is loaded (before the tuning starts): the sweep needs scikit-learn.
-NEEDS_DATA = {"larger than the tuning split", "the LR of lamb at batch", "the LR of lars at batch 16"}
+NEEDS_DATA = {"larger than the tuning split", "the LR of lamb at batch", "the LR of lars at batch 16",
+              "--lr-cap: the LR of lars at batch 16"}
 
 
 def _run(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ pytest.importorskip("tqdm")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fusedopt.tools.sweep import cli, config, fit, report  # noqa: E402
+from fusedopt.tools.sweep import cli, config, fit, report, tuner  # noqa: E402
 from fusedopt.__main__ import main as cli_main  # noqa: E402
 
 BATCHES = np.array([16, 32, 64, 128, 256, 512, 1024, 2048], dtype=float)
@@ -93,9 +93,126 @@ def test_fit_refuses_points_without_a_hyperbola(s, e, message):
         fit.fit_hyperbola(s, e)
 
 
+# ------------------------------------------------------------------------------ the tuning
+def _objective(best_m, *, s0=20.0, diverge_above=None, stuck=(), calls=None):
+    """A synthetic "steps to the target at multiplier m": a parabola in log2(m) around
+    ``best_m`` (``s0`` steps there), "diverged" above ``diverge_above``, "not reached" at the
+    multipliers in ``stuck``; it honours the search's ``best`` the way the MLP's runs do (a
+    multiplier that cannot win is stopped, "slower"). ``calls`` collects the multipliers asked."""
+    def evaluate(m, best):
+        if calls is not None:
+            calls.append(m)
+        if diverge_above is not None and m > diverge_above:
+            return dict(status="diverged", steps=math.inf)
+        if m in stuck:
+            return dict(status="not reached", steps=math.inf)
+        steps = s0 * (1 + (math.log2(m) - math.log2(best_m)) ** 2)
+        if steps > best:
+            return dict(status="slower", steps=math.inf)
+        return dict(status="reached", steps=steps)
+    return evaluate
+
+
+@pytest.mark.parametrize("best_m", [2.0 ** k for k in range(-5, 6)])
+def test_wide_tuning_finds_the_known_best_lr_inside_the_grid(best_m):
+    calls = []
+    res = tuner.search_lr(_objective(best_m, calls=calls), (0.5, 1.0, 2.0), max_doublings=6)
+    assert res["found"] and res["multiplier"] == best_m
+    assert not res["edge"] and not res["capped"] and res["side"] is None
+    tried = [c["multiplier"] for c in res["cells"]]
+    # a worse neighbour on each side was tried; the cost: the grid, the way out, one step past
+    assert best_m / 2 in tried and best_m * 2 in tried
+    assert len(calls) == len(set(calls)) <= 3 + abs(math.log2(best_m)) + 1
+    rows = _cells(report.format_tuning_table(
+        {}, {"sgd": {"64": dict(batch=64, rule_lr=0.1, grid=res["cells"], **res)}}))
+    assert rows[1][-1] == "interior" and rows[1][-2] == report.mult_label(best_m)[1:]
+
+
+def test_wide_tuning_with_the_whole_rule_grid_diverging():
+    # the large-batch case of issue 33: x1/2 stuck, x1 and x2 diverge, the best LR is 1/8 of
+    # the rule's; the rule-only grid finds nothing, the wide search finds it, interior
+    obj = _objective(0.125, diverge_above=0.6, stuck=(0.5,))
+    rule = tuner.search_lr(obj, (0.5, 1.0, 2.0), widen=False)
+    assert not rule["found"] and rule["multiplier"] == 1.0
+    wide = tuner.search_lr(obj, (0.5, 1.0, 2.0))
+    assert wide["found"] and wide["multiplier"] == 0.125 and not wide["edge"]
+    statuses = {c["multiplier"]: c["status"] for c in wide["cells"]}
+    assert statuses[1.0] == "diverged" and statuses[0.5] == "not reached"
+    assert statuses[0.0625] == "slower"
+
+
+def test_edge_and_cap_are_reported():
+    # the rule-only grid: the best (x1/8) is outside it, the choice is the grid's low edge
+    res = tuner.search_lr(_objective(0.125), (0.5, 1.0, 2.0), widen=False)
+    assert res["multiplier"] == 0.5 and res["edge"] and res["side"] == "low"
+    assert not res["capped"]
+    # the wide search, with a cap of 2^3 that the best LR (x2^10) lies beyond
+    capped = tuner.search_lr(_objective(2.0 ** 10), (0.5, 1.0, 2.0), max_doublings=3)
+    assert capped["multiplier"] == 8.0 and capped["edge"] and capped["side"] == "high"
+    assert capped["capped"]
+    assert max(c["multiplier"] for c in capped["cells"]) == 8.0
+    # nothing reaches the target: down to the cap, then "none reached (cap)"
+    never = tuner.search_lr(_objective(1.0, diverge_above=0.0), (0.5, 1.0, 2.0),
+                            max_doublings=2)
+    assert not never["found"] and never["capped"]
+    assert min(c["multiplier"] for c in never["cells"]) == 0.25
+    tuning = {"sgd": {str(b): dict(batch=b, rule_lr=0.1, grid=r["cells"], **r)
+                      for b, r in ((16, res), (512, capped), (1024, never))}}
+    rows = _cells(report.format_tuning_table({}, tuning))
+    assert rows[0][-3:] == ["tuned LR", "tuned / rule", "choice"]
+    assert [r[-1] for r in rows[1:]] == ["edge (low)", "edge (high), cap", "none reached (cap)"]
+    assert rows[2][-3:-1] == ["0.8", "8"] and rows[3][-3:-1] == ["-", "-"]
+    # columns: every multiplier tried in some row, blank where a row did not try it
+    assert "x1/4" in rows[0] and rows[1][rows[0].index("x8")] == ""
+
+
+def test_slower_stops_do_not_change_the_choice():
+    # the same objective without the early stop: the same multiplier
+    def full(best_m):
+        f = _objective(best_m)
+        return lambda m, best: f(m, math.inf)
+
+    for best_m in (0.25, 1.0, 8.0):
+        a = tuner.search_lr(_objective(best_m), (0.5, 1.0, 2.0))
+        b = tuner.search_lr(full(best_m), (0.5, 1.0, 2.0))
+        assert a["multiplier"] == b["multiplier"] == best_m
+
+
+def test_ties_go_to_the_multiplier_closest_to_one():
+    res = tuner.search_lr(lambda m, best: dict(status="reached", steps=10.0), (0.5, 1.0, 2.0))
+    assert res["multiplier"] == 1.0 and not res["edge"]
+
+
+def _probe_runs(b_noise, steps, seed_count=4):
+    """Runs that reached the target in ``steps`` with one probe at init and one at the target,
+    each measuring ``b_noise`` (tr = b_noise, |G|^2 = 1)."""
+    return [dict(status="reached", steps=steps,
+                 probes=[dict(level="init", step=0, trace=b_noise, sq_norm=1.0),
+                         dict(level=0.03, step=steps, trace=b_noise, sq_norm=1.0)])
+            for _ in range(seed_count)]
+
+
+@pytest.mark.parametrize("b_noise, verdict", [(300.0, "contains 1"), (3000.0, "more than a factor"),
+                                              (30.0, "keeps gaining")])
+def test_noise_ratio_and_its_sentence(b_noise, verdict):
+    # points exactly on a hyperbola with B_crit = 300 (a little seed scatter for an interval)
+    rng = np.random.default_rng(1)
+    cells = []
+    for b in (16, 64, 256, 1024):
+        runs = _probe_runs(b_noise, 30 * (1 + 300 / b))
+        for r in runs:
+            r["steps"] *= math.exp(rng.normal(0, 0.03))
+        cells.append(dict(batch=b, runs=runs))
+    q = fit.noise_ratio(cells, 1024, "0.03", 200, np.random.default_rng(0))
+    assert q["step_average"] == pytest.approx(b_noise / 300, rel=0.1)
+    assert q["at_target"] == pytest.approx(b_noise / 300, rel=0.1)
+    assert q["step_average_lo"] <= q["step_average"] <= q["step_average_hi"]
+    assert verdict in fit.noise_verdict("SGD", q)
+
+
 # ------------------------------------------------------------------------------- end to end
 TINY = ["demo", "sweep", "--batches", "16,128,full", "--optimizers", "sgd,lamb",
-        "--seeds", "0,1", "--tune-seeds", "100", "--lr-grid", "0.5,1",
+        "--seeds", "0,1", "--tune-seeds", "100", "--lr-grid", "0.5,1", "--lr-cap", "2",
         "--target-loss", "0.5", "--target-accuracy", "0.5", "--max-epochs", "3",
         "--probe-windows", "2", "--bootstrap", "20", "--no-progress"]
 
@@ -119,12 +236,19 @@ def test_tiny_sweep_end_to_end(tiny_run):
     n = res["n_train"]
     for name, per_batch in res["results"].items():
         assert [c["batch"] for c in per_batch.values()] == [16, 128, n]
-        for cell in per_batch.values():
+        for key, cell in per_batch.items():
             # the LR is the rule's prediction times the multiplier chosen in tuning
             spec = config.OPTIMIZERS[name]
             rule = config.rule_lr(spec, cell["batch"], config.SWEEP["base_batch"])
             assert cell["lr"] == pytest.approx(rule * cell["multiplier"])
-            assert cell["multiplier"] in (0.5, 1.0)
+            # tuned by the wide search, within its cap of 2^±2
+            assert cell["multiplier"] in (0.25, 0.5, 1.0, 2.0, 4.0)
+            tuned = res["tuning"][name][key]
+            assert tuned["multiplier"] == cell["multiplier"]
+            tried = [c["multiplier"] for c in tuned["grid"]]
+            assert {0.5, 1.0} <= set(tried) and all(0.25 <= m <= 4.0 for m in tried)
+            if tuned["found"] and not tuned["edge"]:
+                assert min(tried) < cell["multiplier"] < max(tried)
             assert len(cell["runs"]) == 2
             for r in cell["runs"]:
                 if r["status"] == "reached":
@@ -185,6 +309,8 @@ def test_unreached_pair_is_a_table_row_not_dropped():
     (["--optimizers", "adam"], "unknown ['adam']"),
     (["--seeds", ""], "--seeds '': empty"),
     (["--lr-grid", "1,-2"], "multipliers must be finite and > 0"),
+    (["--tuning", "best"], "--tuning 'best'"),
+    (["--lr-cap", "0"], "--lr-cap 0"),
     (["--set", "lars.nope=1"], "has no setting 'nope'"),
 ])
 def test_bad_arguments_fail_clearly(argv, message, capsys, tmp_path):
@@ -210,20 +336,25 @@ def test_sweep_help_and_demo_help(capsys):
         cli_main(["demo", "sweep", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    for opt in ("--quick", "--batches", "--seeds", "--lr-grid", "--target-loss", "--max-epochs"):
+    for opt in ("--quick", "--batches", "--seeds", "--lr-grid", "--tuning", "--lr-cap",
+                "--target-loss", "--max-epochs"):
         assert opt in text
 
 
 def test_tune_only_and_quick_configuration(tmp_path, capsys):
     rc = cli_main(["demo", "sweep", "--tune-only", "--batches", "64", "--optimizers", "sgd",
-                   "--lr-grid", "1,2", "--target-loss", "0.5", "--target-accuracy", "0.5",
+                   "--lr-grid", "1,2", "--tuning", "rule", "--target-loss", "0.5",
+                   "--target-accuracy", "0.5",
                    "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "LR tuning on the validation split" in out and "Measurement" not in out
     res = json.loads((tmp_path / "sweep.json").read_text())
     cell = res["tuning"]["sgd"]["64"]
+    # --tuning rule: the grid only, no widening
     assert cell["found"] and cell["multiplier"] in (1.0, 2.0)
+    assert [c["multiplier"] for c in cell["grid"]] == [1.0, 2.0]
+    assert res["config"]["tuning"] == "rule"
     assert (tmp_path / "sweep_tuning.md").exists() and not (tmp_path / "sweep.png").exists()
     # --quick swaps in its own defaults; explicit options still win
     cfg = config.make_config(cli.build_parser().parse_args(["--quick"]))
@@ -231,3 +362,4 @@ def test_tune_only_and_quick_configuration(tmp_path, capsys):
     assert cfg["probe_windows"] == config.QUICK["probe_windows"]
     cfg = config.make_config(cli.build_parser().parse_args(["--quick", "--batches", "16,full"]))
     assert cfg["batches"] == (16, "full")
+    assert cfg["tuning"] == "wide" and cfg["lr_cap"] == config.SWEEP["lr_cap"]

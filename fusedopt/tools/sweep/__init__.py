@@ -16,9 +16,14 @@ Three phases:
 
 1. **Tuning** (train/validation split: 80% of the training set / 20% held out; the test set is
    not loaded). For each optimizer and batch size, the peak LR is the value the optimizer's
-   scaling rule predicts from its base LR at :data:`SWEEP` ``["base_batch"]``, times each
-   multiplier of ``lr_grid``; the multiplier with the fewest steps to the target (training loss
-   on the 80%, accuracy on the validation 20%) is kept. Ties go to the multiplier closest to 1.
+   scaling rule predicts from its base LR at :data:`SWEEP` ``["base_batch"]``, times a
+   multiplier: first each of ``lr_grid`` (½, 1, 2), then, with ``tuning="wide"`` (the default),
+   factor-2 steps beyond the grid while the best multiplier is at an end of those tried, until
+   it has a worse neighbour on each side or the search reaches ``2**±lr_cap``
+   (:func:`.tuner.search_lr`); ``tuning="rule"`` keeps the grid only. The multiplier with the
+   fewest steps to the target (training loss on the 80%, accuracy on the validation 20%) is
+   kept; ties go to the multiplier closest to 1. The table reports the tuned LR beside the
+   rule's, their ratio, and whether the choice is interior, at an edge, or at the cap.
 2. **Measurement** (the whole training set, accuracy on the test set), at ``seeds``: the kept
    multiplier times the rule's LR at this batch size. Gradient-noise-scale probes run when the
    training loss first falls below each of a fixed ladder of loss levels (the same levels for
@@ -35,19 +40,23 @@ Every hyper-parameter is in ``SWEEP`` and ``OPTIMIZERS`` of :mod:`.config`, with
 
 The modules, by job: :mod:`.config` (the hyper-parameters; options and ``--set`` values turned
 into a checked configuration), :mod:`.training` (one run to the target, the tuning, the
-measurement), :mod:`.fit` (the hyperbola fit, its bootstrap, the per-optimizer summary with the
-noise scale), :mod:`.report` (tables, notes, plot), :mod:`.cli` (the parser and ``main``).
+measurement), :mod:`.tuner` (the LR search, on any "steps at this LR" callable), :mod:`.fit` (the
+hyperbola fit, its bootstrap, the per-optimizer summary with the noise scale and
+B_noise / B_crit), :mod:`.report` (tables, notes, plot), :mod:`.cli` (the parser and ``main``).
 """
 from __future__ import annotations
 
 from .cli import build_parser, main, run
 from .config import OPTIMIZERS, QUICK, SWEEP, make_config, rule_lr
-from .fit import FitError, bootstrap_fit, fit_hyperbola, hyperbola_points, summarize
+from .fit import (FitError, bootstrap_fit, fit_hyperbola, hyperbola_points, noise_ratio,
+                  summarize)
 from .training import measure, train_to_target, tune
+from .tuner import search_lr
 
 __all__ = [
     "SWEEP", "QUICK", "OPTIMIZERS", "make_config", "rule_lr",
     "FitError", "fit_hyperbola", "bootstrap_fit", "hyperbola_points", "summarize",
-    "train_to_target", "tune", "measure",
+    "noise_ratio",
+    "train_to_target", "tune", "measure", "search_lr",
     "build_parser", "run", "main",
 ]

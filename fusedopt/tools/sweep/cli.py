@@ -21,8 +21,9 @@ from ..digits import load_data
 from . import training
 from .config import OPTIMIZERS, QUICK, SWEEP, check_for_data, make_config
 from .fit import summarize
-from .report import (TUNING_NOTE, format_noise_table, format_notes, format_runs_table,
-                     format_summary_table, format_tuning_table, plot_sweep, shown)
+from .report import (TUNING_NOTE, format_noise_table, format_noise_verdicts, format_notes,
+                     format_runs_table, format_summary_table, format_tuning_table, plot_sweep,
+                     shown)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fusedopt demo sweep",
         description="Batch-size sweep on scikit-learn's digits: steps and examples to a fixed "
                     "target for SGD (linear scaling + warm-up), LARS and LAMB at every batch "
-                    "size, LR tuned per batch on a validation split; fits "
+                    "size, LR tuned per batch on a validation split (widened until the choice "
+                    "is interior); fits "
                     "(S/S_min-1)(E/E_min-1)=1 and compares B_crit = E_min/S_min with the "
                     "measured gradient noise scale. Writes sweep.png, sweep.md, sweep.json.")
     p.add_argument("--quick", action="store_true",
@@ -47,8 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-seeds", default=None,
                    help=f"tuning seeds (default {','.join(map(str, d['tune_seeds']))})")
     p.add_argument("--lr-grid", default=None,
-                   help="multipliers of the scaling rule's LR tried at every batch size "
+                   help="multipliers of the scaling rule's LR tried first at every batch size "
                         f"(default {','.join(f'{m:g}' for m in d['lr_grid'])})")
+    p.add_argument("--tuning", default=None,
+                   help="'wide': widen the grid in factor-2 steps until the tuned LR is interior "
+                        "(or the cap); 'rule': --lr-grid only (the rule's LR x {1/2, 1, 2}) "
+                        f"(default {d['tuning']})")
+    p.add_argument("--lr-cap", type=int, default=None,
+                   help="with --tuning wide, never go beyond 2^±N times the rule's LR "
+                        f"(default {d['lr_cap']})")
     p.add_argument("--target-loss", type=float, default=None,
                    help=f"training-loss target (default {d['target_loss']})")
     p.add_argument("--target-accuracy", type=float, default=None,
@@ -106,8 +115,9 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     tuning = training.tune(cfg, tune_data[:5], progress)
     t_tune = time.perf_counter() - t_start
     tuning_table = format_tuning_table(cfg, tuning)
-    print("\nLR tuning on the validation split: steps to the target at each multiplier of the "
-          f"rule's LR (mean over tuning seeds {','.join(map(str, cfg['tune_seeds']))})\n")
+    print(f"\nLR tuning on the validation split ({cfg['tuning']}): steps to the target at each "
+          "multiplier of the rule's LR tried (mean over tuning seeds "
+          f"{','.join(map(str, cfg['tune_seeds']))})\n")
     print(shown(tuning_table))
     print(f"\n{TUNING_NOTE}")
     os.makedirs(args.out, exist_ok=True)
@@ -132,22 +142,26 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     print(shown(runs_table))
     print("\nFit of (S/S_min - 1)(E/E_min - 1) = 1 per optimizer\n")
     print(shown(summary_table))
-    noise_table = ""
+    noise_table = verdicts = ""
     if noise:
         noise_table = format_noise_table(summary)
         print("\nB_noise at each probe point (training-loss level), pooled over the runs\n")
         print(shown(noise_table))
+        verdicts = format_noise_verdicts(summary)
+        print("\nB_noise against B_crit\n")
+        print(shown(verdicts))
     print()
     print(notes)
 
     png = os.path.join(args.out, "sweep.png")
     plot_sweep(cfg, results, summary, png,
                f"{data[5]}: to training loss {cfg['target_loss']:g} and test accuracy "
-               f"{cfg['target_accuracy']:g}, {len(cfg['seeds'])} seeds", noise)
+               f"{cfg['target_accuracy']:g}, {len(cfg['seeds'])} seeds, LR tuned per batch "
+               f"({cfg['tuning']})", noise)
     total = time.perf_counter() - t_start
     with open(os.path.join(args.out, "sweep.md"), "w", encoding="utf-8") as f:
         f.write("\n\n".join(t for t in (tuning_table, TUNING_NOTE, runs_table, summary_table,
-                                         noise_table, notes)
+                                         noise_table, verdicts, notes)
                             if t) + "\n")
     record.update(results=results, summary=summary, n_train=n, data=data[5], wall_time_s=total,
                   tuning_time_s=t_tune)

@@ -121,9 +121,100 @@ def _step_average(levels: dict[str, dict[str, float]], steps_at: dict[str, float
     return area / (pts[-1][0] - pts[0][0])
 
 
+def _key(p: dict[str, Any]) -> str:
+    return "init" if p["level"] == "init" else f"{p['level']:.3g}"
+
+
+def _noise_point(runs: list[dict[str, Any]], big_runs: list[dict[str, Any]],
+                 target_key: str) -> tuple[float, float]:
+    """(B_noise at the target, step-averaged B_noise) of these runs, as :func:`summarize`
+    computes them (pooled ratio of means per level; steps of ``big_runs``), without intervals."""
+    tr: dict[str, float] = {}
+    sq: dict[str, float] = {}
+    for r in runs:
+        for p in r["probes"]:
+            if math.isfinite(p["trace"]) and math.isfinite(p["sq_norm"]):
+                k = _key(p)
+                tr[k] = tr.get(k, 0.0) + p["trace"]
+                sq[k] = sq.get(k, 0.0) + p["sq_norm"]
+    levels = {k: dict(value=tr[k] / sq[k] if sq[k] > 0 else math.nan) for k in tr}
+    at: dict[str, list[float]] = {}
+    for r in big_runs:
+        for p in r["probes"]:
+            at.setdefault(_key(p), []).append(p["step"])
+    steps_at = {k: float(np.mean(v)) for k, v in at.items()}
+    return (levels.get(target_key, {}).get("value", math.nan),
+            _step_average(levels, steps_at))
+
+
+def noise_ratio(cells: list[dict[str, Any]], big: int, target_key: str, n_boot: int,
+                rng: np.random.Generator) -> dict[str, Any]:
+    """B_noise / B_crit (step-averaged and at the target) with 16-84% intervals from a joint
+    bootstrap: each resample draws the seeds of every batch size with replacement, and refits
+    the hyperbola and recomputes B_noise from the same resampled runs. ``cells``: the
+    optimizer's (batch, runs) cells; the fit uses those reached at every seed, the step average
+    the runs at batch ``big``."""
+    fitted = [all(r["status"] == "reached" for r in c["runs"]) for c in cells]
+
+    def ratios(sample: list[list[dict[str, Any]]]) -> tuple[float, float]:
+        fit_cells = [(c["batch"], runs) for c, runs, ok in zip(cells, sample, fitted) if ok]
+        s = np.array([np.mean([r["steps"] for r in runs]) for _, runs in fit_cells], dtype=float)
+        b = np.array([bb for bb, _ in fit_cells], dtype=float)
+        s_min, e_min = fit_hyperbola(s, s * b)
+        b_crit = e_min / s_min
+        big_runs = next(runs for c, runs in zip(cells, sample) if c["batch"] == big)
+        at, avg = _noise_point([r for runs in sample for r in runs], big_runs, target_key)
+        return avg / b_crit, at / b_crit
+
+    avg, at = ratios([c["runs"] for c in cells])
+    reps = []
+    for _ in range(n_boot):
+        sample = [[c["runs"][i] for i in rng.integers(0, len(c["runs"]), len(c["runs"]))]
+                  for c in cells]
+        try:
+            reps.append(ratios(sample))
+        except FitError:
+            continue
+    out: dict[str, Any] = dict(step_average=avg, at_target=at, boot_ok=len(reps))
+    r = np.array(reps, dtype=float).reshape(-1, 2)
+    for j, name in enumerate(("step_average", "at_target")):
+        col = r[:, j][np.isfinite(r[:, j])] if len(r) else r[:, j]
+        lo, hi = (float(v) for v in np.percentile(col, [16, 84])) if len(col) > 1 \
+            else (math.nan, math.nan)
+        out[f"{name}_lo"], out[f"{name}_hi"] = lo, hi
+    return out
+
+
+def noise_verdict(label: str, ratio: dict[str, Any]) -> str:
+    """One plain sentence on the step-averaged B_noise / B_crit of ``ratio``
+    (:func:`noise_ratio`): whether its interval contains 1, and whether it is within a factor
+    of 2 (McCandlish et al.'s model has B_crit ≈ B_noise)."""
+    v, lo, hi = ratio["step_average"], ratio["step_average_lo"], ratio["step_average_hi"]
+    if not math.isfinite(v) or v <= 0:
+        return f"{label}: no B_noise / B_crit (no step-averaged noise scale)."
+    head = f"{label}: step-averaged B_noise / B_crit = {v:.2f}"
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return head + " (no interval)."
+    head += f" [{lo:.2f}, {hi:.2f}]"
+    far = not (0.5 <= v <= 2.0)
+    if lo <= 1 <= hi:
+        return (head + ": the interval contains 1, the noise scale predicts this optimizer's "
+                "B_crit within the seed-to-seed spread.")
+    if lo > 1:
+        tail = (f": B_noise is {v:.1f}x B_crit, so this optimizer's steps stop falling at a "
+                "smaller batch than the noise scale predicts")
+    else:
+        tail = (f": B_crit is {1 / v:.1f}x B_noise, so this optimizer keeps gaining from "
+                "larger batches beyond the noise scale")
+    return head + tail + (" (more than a factor of 2: B_noise ≈ B_crit does not hold for it "
+                          "here)." if far else " (within a factor of 2, as the model predicts, "
+                          "though not within the seed-to-seed spread).")
+
+
 def summarize(cfg: dict[str, Any], results: dict[str, Any], noise: bool) -> dict[str, Any]:
     """Per optimizer: the fit (+ bootstrap), B_noise at every probe level, at the target and
-    averaged over the steps of the largest-batch runs in the fit."""
+    averaged over the steps of the largest-batch runs in the fit, and B_noise / B_crit with its
+    joint bootstrap interval (:func:`noise_ratio`)."""
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {}
     for name, per_batch in results.items():
@@ -142,11 +233,11 @@ def summarize(cfg: dict[str, Any], results: dict[str, Any], noise: bool) -> dict
             by_level: dict[str, list] = {}
             for r in runs:
                 for p in r["probes"]:
-                    key = "init" if p["level"] == "init" else f"{p['level']:.3g}"
-                    by_level.setdefault(key, []).append(p)
+                    by_level.setdefault(_key(p), []).append(p)
             s["noise_by_level"] = {k: _pooled(v, cfg["bootstrap"], rng)
                                    for k, v in by_level.items()}
-            s["noise_at_target"] = s["noise_by_level"].get(f"{cfg['target_loss']:.3g}")
+            target_key = f"{cfg['target_loss']:.3g}"
+            s["noise_at_target"] = s["noise_by_level"].get(target_key)
             if steps:
                 # In McCandlish et al.'s model with a noise scale that changes during training,
                 # E_min/S_min is B_noise averaged over the optimizer steps of the large-batch
@@ -156,11 +247,13 @@ def summarize(cfg: dict[str, Any], results: dict[str, Any], noise: bool) -> dict
                 at: dict[str, list[float]] = {}
                 for r in cell["runs"]:
                     for p in r["probes"]:
-                        key = "init" if p["level"] == "init" else f"{p['level']:.3g}"
-                        at.setdefault(key, []).append(p["step"])
+                        at.setdefault(_key(p), []).append(p["step"])
                 steps_at = {k: float(np.mean(v)) for k, v in at.items()}
                 s["noise_step_average"] = dict(
                     value=_step_average(s["noise_by_level"], steps_at), batch=big,
                     steps_at=steps_at)
+                if "fit_error" not in s:
+                    s["noise_ratio"] = noise_ratio(list(per_batch.values()), big, target_key,
+                                                   cfg["bootstrap"], rng)
         out[name] = s
     return out

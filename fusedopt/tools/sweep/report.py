@@ -11,7 +11,7 @@ import numpy as np
 
 from ..common import md_table
 from .config import OPTIMIZERS
-from .fit import hyperbola_points
+from .fit import hyperbola_points, noise_verdict
 
 # --------------------------------------------------------------------------------------------
 # tables
@@ -30,32 +30,74 @@ def _interval(v: float, lo: float | None, hi: float | None) -> str:
     return f"{v:.0f} [{lo:.0f}, {hi:.0f}]"
 
 
-TUNING_NOTE = ("slower: stopped as soon as it could no longer beat the best multiplier; "
-               "diverged / not reached: at a tuning seed, within the cap; chosen: the fewest "
-               "steps, (edge) = at the end of the grid, 'none reached' = the rule's LR is kept.")
+def _ratio(v: float, lo: float, hi: float) -> str:
+    if not math.isfinite(v):
+        return "n/a"
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return f"{v:.2g}"
+    return f"{v:.2g} [{lo:.2g}, {hi:.2g}]"
+
+
+def format_noise_verdicts(summary: dict[str, Any]) -> str:
+    """One plain sentence per optimizer on B_noise against B_crit (:func:`.fit.noise_verdict`)."""
+    lines = []
+    for name, s in summary.items():
+        label = OPTIMIZERS[name]["label"]
+        if s.get("noise_ratio"):
+            lines.append("- " + noise_verdict(label, s["noise_ratio"]))
+        elif "noise_by_level" in s:
+            lines.append(f"- {label}: no B_noise / B_crit (no fit).")
+    return "\n".join(lines)
+
+
+TUNING_NOTE = ("x m: the rule's LR times m, steps to the target on the validation split (mean "
+               "over the tuning seeds); slower: stopped as soon as it could no longer beat the "
+               "best multiplier; diverged / not reached: at a tuning seed, within the cap; "
+               "blank: not tried. tuned / rule: the chosen LR over the rule's (the rule's error "
+               "at this batch size). choice: interior = a worse multiplier tried on each side; "
+               "edge (low/high) = the smallest or largest tried, the best LR may lie beyond; "
+               "cap = the search stopped at 2^±lr_cap times the rule's LR; "
+               "'none reached' = the rule's LR is kept.")
+
+
+def mult_label(m: float) -> str:
+    """``x2``, ``x1``, ``x1/4`` (``x0.3`` for a multiplier that is not a power of 2)."""
+    if m < 1 and abs(1 / m - round(1 / m)) < 1e-9:
+        return f"x1/{round(1 / m)}"
+    return f"x{m:g}"
+
+
+def choice_label(cell: dict[str, Any]) -> str:
+    """interior / edge (low|high) / cap / none reached, for a tuning cell."""
+    if not cell["found"]:
+        return "none reached" + (" (cap)" if cell.get("capped") else "")
+    if cell["edge"]:
+        return f"edge ({cell.get('side') or '?'})" + (", cap" if cell.get("capped") else "")
+    return "interior" if len(cell["grid"]) > 1 else "single LR"
+
+
+def _score(c: dict[str, Any]) -> str:
+    if math.isfinite(c["steps"]):
+        return f"{c['steps']:.0f}"
+    st = c.get("status") or "not reached"
+    return st if st in ("diverged", "slower") else "not reached"
 
 
 def format_tuning_table(cfg: dict[str, Any], tuning: dict[str, Any]) -> str:
-    grid = cfg["lr_grid"]
-    head = ["optimizer", "batch", "rule LR"] + [f"x{m:g}" for m in grid] + ["chosen"]
+    mults = sorted({c["multiplier"] for pb in tuning.values() for cell in pb.values()
+                    for c in cell["grid"]})
+    head = (["optimizer", "batch", "rule LR"] + [mult_label(m) for m in mults]
+            + ["tuned LR", "tuned / rule", "choice"])
     rows = []
     for name, per_batch in tuning.items():
         for cell in per_batch.values():
-            scores = []
-            for c in cell["grid"]:
-                st = [r["status"] for r in c["runs"]]
-                if math.isfinite(c["steps"]):
-                    scores.append(f"{c['steps']:.0f}")
-                elif "diverged" in st:
-                    scores.append("diverged")
-                elif "slower" in st:
-                    scores.append("slower")
-                else:
-                    scores.append("not reached")
-            chosen = (f"x{cell['multiplier']:g}" + (" (edge)" if cell["edge"] else "")
-                      if cell["found"] else "none reached: x1")
+            by = {c["multiplier"]: c for c in cell["grid"]}
+            scores = [_score(by[m]) if m in by else "" for m in mults]
+            m = cell["multiplier"]
+            tuned = (f"{cell['rule_lr'] * m:.3g}", mult_label(m)[1:]) if cell["found"] \
+                else ("-", "-")
             rows.append([OPTIMIZERS[name]["label"], str(cell["batch"]),
-                         f"{cell['rule_lr']:.3g}", *scores, chosen])
+                         f"{cell['rule_lr']:.3g}", *scores, *tuned, choice_label(cell)])
     return md_table(head, rows, {0})
 
 
@@ -87,14 +129,16 @@ def format_runs_table(cfg: dict[str, Any], results: dict[str, Any], n_train: int
                 mean_s = f"not reached ({len(ok)}/{len(seeds)})"
                 ex = ep = acc = "-"
             rows.append([OPTIMIZERS[name]["label"], str(cell["batch"]), f"{cell['lr']:.3g}",
-                         f"{cell['multiplier']:g}", " / ".join(per_seed), mean_s, ex, ep, acc])
+                         mult_label(cell["multiplier"])[1:], " / ".join(per_seed), mean_s, ex, ep,
+                         acc])
     return md_table(head, rows, {0, 4})
 
 
 def format_summary_table(cfg: dict[str, Any], summary: dict[str, Any], noise: bool) -> str:
     head = ["optimizer", "batches fitted", "S_min", "E_min", "B_crit [16-84%]", "fit rms"]
     if noise:
-        head += ["B_noise at target [16-84%]", "B_noise step-avg", "B_noise init"]
+        head += ["B_noise at target [16-84%]", "B_noise step-avg", "B_noise init",
+                 "step-avg B_noise / B_crit [16-84%]"]
     rows = []
     for name, s in summary.items():
         if "fit_error" in s:
@@ -110,8 +154,11 @@ def format_summary_table(cfg: dict[str, Any], summary: dict[str, Any], noise: bo
             t = s.get("noise_at_target") or dict(value=math.nan, lo=None, hi=None)
             avg = s.get("noise_step_average", {}).get("value", math.nan)
             init = s.get("noise_by_level", {}).get("init", {}).get("value", math.nan)
+            q = s.get("noise_ratio")
+            ratio = "n/a" if not q else _ratio(q["step_average"], q["step_average_lo"],
+                                                 q["step_average_hi"])
             row += [_interval(t["value"], t["lo"], t["hi"]), _num(avg, ".0f"),
-                    _num(init, ".0f")]
+                    _num(init, ".0f"), ratio]
         rows.append(row)
     return md_table(head, rows, {0})
 
@@ -158,7 +205,9 @@ def format_notes(cfg: dict[str, Any], results: dict[str, Any], n_train: int, n_t
             f"fell below each level (pooled over all runs of the optimizer as a ratio of means, "
             f"[16-84%] bootstrap over runs); at target: at loss {cfg['target_loss']:g}; "
             "step-avg: averaged over the steps of the largest fitted batch's runs, from "
-            "initialization to the target.")
+            "initialization to the target (McCandlish et al.'s B_noise for E_min/S_min); "
+            "B_noise / B_crit: [16-84%] over a joint bootstrap that resamples the seeds of every "
+            "batch size and refits both from the same runs.")
     return notes
 
 

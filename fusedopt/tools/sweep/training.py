@@ -12,6 +12,7 @@ import torch
 
 from ..digits import make_model, make_optimizer, noise_probe
 from .config import batch_size, rule_lr
+from .tuner import search_lr
 
 # --------------------------------------------------------------------------------------------
 # one run
@@ -146,42 +147,40 @@ def train_to_target(spec: dict[str, Any], batch: int, lr: float, data, *, seed: 
 # --------------------------------------------------------------------------------------------
 # the sweep
 # --------------------------------------------------------------------------------------------
-def _bar(total: int, desc: str, progress: bool):
+def _bar(total: int, desc: str, progress: bool, unit: str = "run"):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not progress, unit="run", dynamic_ncols=True,
+    return tqdm(total=total, desc=desc, disable=not progress, unit=unit, dynamic_ncols=True,
                 leave=True)
 
 
 def tune(cfg: dict[str, Any], data, progress: bool) -> dict[str, Any]:
-    """For every (optimizer, batch): the validation steps-to-target at each grid multiplier and
-    the chosen multiplier (fewest steps, mean over the tuning seeds, every seed must reach the
-    target; ties to the multiplier closest to 1).
+    """For every (optimizer, batch): the validation steps-to-target at each multiplier of the
+    rule's LR tried, and the chosen multiplier (fewest steps, mean over the tuning seeds, every
+    seed must reach the target; ties to the multiplier closest to 1), by :func:`.tuner.search_lr`:
+    ``lr_grid`` first, then (``tuning == "wide"``) factor-2 steps beyond it until the choice is
+    interior or the multiplier reaches ``2**±lr_cap``.
 
-    The multipliers run closest-to-1 first, and a later one is stopped ("slower") as soon as
-    its mean can no longer beat the best so far: the choice is the same as running every
-    multiplier to the end, at a fraction of the cost."""
+    A multiplier is stopped ("slower") as soon as its mean can no longer beat the best so far:
+    the choice is the same as running every multiplier to the end, at a fraction of the cost."""
     n = len(data[1])
-    grid = cfg["lr_grid"]
     seeds = cfg["tune_seeds"]
-    order = sorted(grid, key=lambda m: (abs(math.log(m)), m))
     out: dict[str, Any] = {}
-    bar = _bar(len(cfg["optimizers"]) * len(cfg["batches"]) * len(grid) * len(seeds),
-               "tuning (validation)", progress)
+    bar = _bar(len(cfg["optimizers"]) * len(cfg["batches"]), "tuning (validation)", progress,
+               unit="batch size")
     for name in cfg["optimizers"]:
         spec = cfg["specs"][name]
         out[name] = {}
         for b in cfg["batches"]:
             batch = batch_size(b, n)
-            cells: dict[float, dict[str, Any]] = {}
-            best = math.inf
-            for m in order:
-                lr = rule_lr(spec, batch, cfg["base_batch"]) * m
+            rule = rule_lr(spec, batch, cfg["base_batch"])
+
+            def evaluate(m: float, best: float, spec=spec, batch=batch, rule=rule):
+                lr = rule * m
                 runs: list[dict[str, Any]] = []
                 for seed in seeds:
                     if runs and runs[-1]["status"] != "reached":
                         runs.append(dict(status="skipped", steps=None, steps_run=0))
-                        bar.update()
                         continue  # this multiplier has lost already
                     cap = None
                     if math.isfinite(best):  # the most steps this seed may take and still win
@@ -190,18 +189,21 @@ def tune(cfg: dict[str, Any], data, progress: bool) -> dict[str, Any]:
                     r = train_to_target(spec, batch, lr, data, seed=seed, cfg=cfg, step_cap=cap)
                     runs.append(dict(status=r["status"], steps=r["steps"],
                                      steps_run=r["steps_run"]))
-                    bar.update()
-                reached = all(r["status"] == "reached" for r in runs)
-                score = float(np.mean([r["steps"] for r in runs])) if reached else math.inf
-                best = min(best, score)
-                cells[m] = dict(multiplier=m, lr=lr, steps=score, runs=runs)
-            cells_list = [cells[m] for m in grid]
-            winner = min((cells[m] for m in order), key=lambda c: c["steps"])  # stable: order
-            found = math.isfinite(winner["steps"])
-            chosen = winner["multiplier"] if found else 1.0
-            edge = found and len(grid) > 1 and chosen in (grid[0], grid[-1])
-            out[name][str(b)] = dict(batch=batch, rule_lr=rule_lr(spec, batch, cfg["base_batch"]),
-                                     grid=cells_list, multiplier=chosen, found=found, edge=edge)
+                st = [r["status"] for r in runs]
+                reached = all(s == "reached" for s in st)
+                status = ("reached" if reached else "diverged" if "diverged" in st
+                          else "slower" if "slower" in st else "not reached")
+                return dict(lr=lr, status=status, runs=runs,
+                            steps=float(np.mean([r["steps"] for r in runs])) if reached
+                            else math.inf)
+
+            res = search_lr(evaluate, cfg["lr_grid"], widen=cfg["tuning"] == "wide",
+                            max_doublings=cfg["lr_cap"])
+            bar.update()
+            m = res["multiplier"]
+            out[name][str(b)] = dict(batch=batch, rule_lr=rule, grid=res["cells"],
+                                     multiplier=m, lr=rule * m, found=res["found"],
+                                     edge=res["edge"], side=res["side"], capped=res["capped"])
     bar.close()
     return out
 
