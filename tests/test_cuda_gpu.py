@@ -20,6 +20,7 @@ from fusedopt.testing import (REL_TOL, SHAPES_SMALL, assert_within_rounding, max
                               option_cases, run_backend)
 
 LAMB_CASES, LARS_CASES = option_cases("lamb"), option_cases("lars")
+pytestmark = pytest.mark.gpu  # scripts/gpu_verify.py runs this file on a GPU
 
 
 def _skip_reason() -> str | None:
@@ -254,6 +255,46 @@ def test_step_does_not_synchronize(kind):
 
 
 @gpu
+@pytest.mark.parametrize("lr_device", ["cpu", "cuda"])
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_tensor_lr_steps_without_a_host_sync(kind, lr_dtype, lr_device):
+    """Note [CPU tensor lr]: a CPU tensor lr is read on the host (no copy, no sync) and a device
+    one by the kernels (cast to float64 on the device); both give the bits of the number lr."""
+    value = 0.05
+
+    def run(lr, sync_mode=None):
+        params = _params(SHAPES)
+        opt = _optimizer(kind, params, lr=lr, max_grad_norm=1.0)
+        for step in range(3):
+            _set_grads(params, step)
+            if step:  # the first step reads a new tensor lr once (Note [option checks])
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode(sync_mode or "default")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return params
+
+    expect = run(value)
+    got = run(torch.tensor(value, dtype=lr_dtype, device=lr_device), "error")
+    assert all(torch.equal(x, y) for x, y in zip(got, expect))
+
+
+@gpu
+def test_cpu_tensor_lr_is_refused_in_a_capture():
+    params = _params(SHAPES)
+    _set_grads(params, 0)
+    opt = _optimizer("lamb", params, lr=torch.tensor(0.05))
+    opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CPU tensor lr cannot be captured"):
+        with torch.cuda.graph(graph):
+            opt.step()
+
+
+@gpu
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_step_can_be_captured_in_a_cuda_graph(kind):
     def make():
@@ -393,6 +434,28 @@ def test_unavailable_reasons_name_device_and_dtypes():
     assert "torch.bfloat16" in reason and "torch.float16" in reason
     assert "float64" in be.unavailable_reason(cuda, torch.float64, torch.float32)
     assert "int32" in be.unavailable_reason(cuda, torch.int32, torch.int32)
+
+
+def test_cpu_tensor_lr_is_refused_in_a_capture_before_any_launch(monkeypatch):
+    """Note [CPU tensor lr]: ``prepare`` refuses it while the bucket's stream captures (mocked:
+    no device here), and lets a device tensor lr or a number lr through."""
+    import contextlib
+    import types
+
+    from fusedopt.backends.cuda import CudaBackend
+
+    be = object.__new__(CudaBackend)  # prepare needs no extension
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    b = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(RuntimeError, match="CPU tensor lr cannot be captured in a CUDA graph"):
+        be.prepare(b, "lamb", types.SimpleNamespace(lr=torch.tensor(0.1)), False, False, False)
+    be.prepare(b, "lamb", types.SimpleNamespace(lr=0.1), False, False, False)
+    be.prepare(b, "lamb", types.SimpleNamespace(lr=torch.empty((), device="meta")), False, False,
+               False)  # a tensor lr elsewhere than the CPU: read by the kernels
+    capturing[0] = False
+    be.prepare(b, "lamb", types.SimpleNamespace(lr=torch.tensor(0.1)), False, False, False)
 
 
 @pytest.mark.skipif(backends.get_backend("cuda") is not None, reason="the CUDA extension is built")

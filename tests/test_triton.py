@@ -28,7 +28,11 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 if INTERPRETED and triton_backend.interpreter_reason() is not None:
     pytest.skip(triton_backend.interpreter_reason(), allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from fusedopt.kernels import tables  # noqa: E402
+from fusedopt.kernels.common import partial_slots  # noqa: E402
 from helpers import (  # noqa: E402
     LAMB_CASES, LARS_CASES, SHAPES_SMALL, assert_nan_rule, assert_within_rounding, max_rel_err,
     nan_rule_runs, run_backend, tols,
@@ -37,7 +41,9 @@ from helpers import (  # noqa: E402
 import fusedopt  # noqa: E402
 
 # The interpreter evaluates masked-off lanes too (0/0 of a zero-size tensor's trust ratio).
-pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning")
+# gpu: on a CUDA machine every test of this file runs the compiled kernels (scripts/gpu_verify.py)
+pytestmark = [pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning"),
+              pytest.mark.gpu]
 
 TINY = [(1 + i % 5,) for i in range(300)]
 
@@ -87,10 +93,12 @@ def test_hundreds_of_tiny_tensors(kind):
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_full_programs_take_the_unmasked_path(kind, monkeypatch):
-    """Two rows per program and tensors of whole chunks: every program runs unmasked tiles."""
+    """Two rows per program and tensors of whole chunks: every program runs unmasked tiles (the
+    shapes follow the chunk size, so that on a GPU they are whole chunks of 16384 too)."""
     monkeypatch.setattr(tables, "ROWS", 2)
+    c = tables.CHUNK_SIZE
     params, ref, _ = _run(kind, {} if kind == "lamb" else LARS_CASES["default"],
-                          shapes=[(4, 1024), (2048,), (3, 2048)])
+                          shapes=[(4, c // 2), (c,), (3, c)])
     assert max_rel_err(params, ref) <= tols(torch.float32)
 
 
@@ -100,6 +108,93 @@ def test_learning_rate_tensor(kind):
     lr = {"lamb": 1e-2, "lars": 0.5}[kind]
     params, ref, _ = _run(kind, hyper, lr=torch.tensor(lr), steps=2)
     assert max_rel_err(params, ref) <= tols(torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_tensor_lr_and_its_value_give_the_same_bits(kind):
+    """Note [CPU tensor lr]: a CPU tensor lr of CUDA params is passed by value; the kernels read
+    the same float64 through LR_TENSOR and through the number, so the results are bit-identical."""
+    hyper = {} if kind == "lamb" else LARS_CASES["default"]
+    lr = torch.tensor({"lamb": 1e-2, "lars": 0.5}[kind], dtype=torch.bfloat16)  # not a float32
+    by_tensor, _, _ = _run(kind, hyper, lr=lr, steps=2)
+    by_value, _, _ = _run(kind, hyper, lr=float(lr), steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(by_tensor, by_value))
+
+
+def _fake_cuda_operands(monkeypatch, capturing=False):
+    """``_lr_args`` for a CUDA device without one: its constant operands and capture state mocked,
+    and every ``Tensor.to`` recorded (a copy of a CPU lr to the device would be one)."""
+    copies = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(tables, "operand", lambda device, dtype, value: torch.full((), value,
+                                                                                   dtype=dtype))
+    monkeypatch.setattr(tables, "capturing", lambda device: capturing)
+
+    def to(self, *args, **kwargs):
+        copies.append((args, kwargs))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    return copies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cpu_tensor_lr_of_cuda_params_is_read_without_a_copy(monkeypatch, dtype):
+    """Note [CPU tensor lr]: no blocking host-to-device copy per bucket and step; the value, read
+    on the host (no device sync), travels as the number lr, with the flag LR_TENSOR clear."""
+    lr = torch.tensor(0.1, dtype=dtype)
+    copies = _fake_cuda_operands(monkeypatch)
+    kw, lr_tensor = triton_backend._lr_args(lr, torch.device("cuda", 0))
+    assert copies == [] and not lr_tensor
+    assert kw["lr"] == float(lr.double()) and float(kw["lr_ptr"]) == 0.0
+    # a tensor lr on the params' device (here the interpreter's CPU) is still read by the kernels
+    kw, lr_tensor = triton_backend._lr_args(lr, torch.device("cpu"))
+    assert lr_tensor and kw["lr_ptr"].dtype == torch.float64 and kw["lr"] == 0.0
+
+
+def test_cpu_tensor_lr_is_refused_in_a_capture(monkeypatch):
+    """A captured launch would keep the value of the captured step at every replay."""
+    _fake_cuda_operands(monkeypatch, capturing=True)
+    with pytest.raises(RuntimeError, match="CPU tensor lr cannot be captured in a CUDA graph"):
+        triton_backend._lr_args(torch.tensor(0.1), torch.device("cuda", 0))
+    # a number lr or a device tensor lr is captured as before
+    kw, _ = triton_backend._lr_args(0.1, torch.device("cuda", 0))
+    assert kw["lr"] == 0.1
+
+
+def _steps_with_lr(kind, lr, steps=3, sync_mode=None):
+    """Params after ``steps`` steps with ``lr``; ``sync_mode`` applies to every step after the
+    first (which reads a new tensor lr once, compiles and builds the tables)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4097,), (33,), (0,), (3, 5)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(DEVICE) for s in shapes] for _ in range(steps)]
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opt = cls(params, lr=lr, backend="triton", max_grad_norm=1.0)
+    for k in range(steps):
+        for p, g in zip(params, grads[k]):
+            p.grad = g
+        if k and sync_mode:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode(sync_mode)
+        try:
+            opt.step()
+        finally:
+            if k and sync_mode:
+                torch.cuda.set_sync_debug_mode("default")
+    return [p.detach() for p in params]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs a CUDA device (a CPU tensor lr of CUDA params)")
+@pytest.mark.parametrize("lr_device", ["cpu", "cuda"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_tensor_lr_steps_without_a_host_sync_on_the_gpu(kind, lr_device):
+    """No host sync in a step (torch's sync debug mode raises on one) with a CPU or a CUDA tensor
+    lr, and the bits of the number lr."""
+    value = {"lamb": 1e-2, "lars": 0.5}[kind]
+    by_value = _steps_with_lr(kind, value)
+    got = _steps_with_lr(kind, torch.tensor(value, device=lr_device), sync_mode="error")
+    assert all(torch.equal(a, b) for a, b in zip(got, by_value))
 
 
 # --------------------------------------------------------------- low-precision storage
@@ -317,6 +412,31 @@ def test_failed_launch_names_the_kernel_and_resets_the_counters():
     assert torch.equal(be.sq_norms(x), torch.tensor([5.0], device=DEVICE))
 
 
+def test_failed_launch_names_the_kernel_after_a_sticky_device_error():
+    """After a sticky CUDA error every later device call fails, the reset of the counters too: the
+    error raised still names the kernel and the launch's cause (mocked: no device here)."""
+    class Counters:
+        def zero_(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def lamb_pass2_kernel():
+        pass
+
+    class Broken:
+        fn = staticmethod(lamb_pass2_kernel)
+
+        def __getitem__(self, grid):
+            def run(**kw):
+                raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+            return run
+
+    table = tables.Table(device=torch.device(DEVICE), n=1, num_chunks=1, num_programs=1,
+                         records=None, owner=None, counters=Counters(), aligned=True)
+    with pytest.raises(tables.KernelError, match=r"kernel lamb_pass2_kernel .*ALIGNED=True.*"
+                       r"Triton Error \[CUDA\].*counters could not be reset.*illegal memory"):
+        tables.launch(Broken(), table, ALIGNED=True, CHUNK=2048)
+
+
 def test_capture_never_builds_a_table(monkeypatch):
     """During CUDA-graph capture a table or constant operand that would have to be made raises
     (its buffers must exist before the capture); those that exist are used as they are."""
@@ -364,12 +484,129 @@ def test_alignment_is_decided_per_tensor(monkeypatch):
 def test_norms_are_deterministic_and_independent_of_rows(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(s, generator=gen).to(DEVICE) for s in [(4097,), (3, 5), (0,), (7000,)]]
+    if not INTERPRETED:  # over one GPU chunk as well
+        xs.append(torch.randn(3 * tables.CHUNK_SIZE + 7, generator=gen).to(DEVICE))
     be = TritonBackend()
     first = be.sq_norms(xs)
-    monkeypatch.setattr(tables, "ROWS", 1)
+    monkeypatch.setattr(tables, "ROWS", 1 if tables.ROWS != 1 else 2)  # on a GPU ROWS is 1
     assert torch.equal(be.sq_norms(xs), first)
     expect = torch.stack([(x.double() ** 2).sum() for x in xs]).float()
     torch.testing.assert_close(first, expect, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------- the finaliser of the two-stage norms
+# Note [two-stage norms] (kernels/common.py): each chunk stores its partial sums, and the last
+# program to finish a tensor (acq_rel counter) sums the tensor's partials, REDUCE_BLOCK lanes at a
+# time: a tensor of more than REDUCE_BLOCK chunks (over 2.1M elements with the GPU's tiles) takes
+# the finaliser's loop more than once. Under the interpreter REDUCE_BLOCK is lowered so that a few
+# chunks do.
+FINALISER_SHAPES = [(7 * 2048 + 5,), (3,), (5 * 2048,), (0,), (2048 + 1,)]
+
+
+def _norm_inputs(shapes, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen).to(DEVICE, dtype) for s in shapes]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="interpreter tiles: lowers REDUCE_BLOCK and ROWS")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finaliser_loop_over_many_partials_under_the_interpreter(monkeypatch, dtype):
+    """REDUCE_BLOCK of 2: the finaliser loops up to four times (8 chunks), with tensors of other
+    chunk counts finishing in the same program; ROWS of 1 puts every chunk in its own program,
+    so a tensor's last program is another than its first. The sums are the same bits for every
+    ROWS (the partials and their order do not depend on it) and match the float64 sums."""
+    xs = _norm_inputs(FINALISER_SHAPES, dtype)
+    be = TritonBackend()
+    monkeypatch.setattr(tables, "REDUCE_BLOCK", 2)
+    by_rows = {}
+    for rows in (64, 2, 1):
+        monkeypatch.setattr(tables, "ROWS", rows)
+        by_rows[rows] = be.sq_norms(xs)
+    assert all(torch.equal(by_rows[64], v) for v in by_rows.values())
+    expect = torch.stack([(x.double() ** 2).sum() for x in xs]).to(by_rows[1].dtype)
+    torch.testing.assert_close(by_rows[1], expect, rtol=1e-6 if dtype == torch.float32 else 1e-12,
+                               atol=0)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="interpreter tiles: lowers REDUCE_BLOCK and ROWS")
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_steps_with_a_looping_finaliser_match_reference(monkeypatch, kind):
+    """Both passes' norms (and the clipping total of LAMB) through a finaliser loop of several
+    iterations, one chunk per program."""
+    monkeypatch.setattr(tables, "REDUCE_BLOCK", 2)
+    monkeypatch.setattr(tables, "ROWS", 1)
+    hyper = dict(max_grad_norm=1.0) if kind == "lamb" else LARS_CASES["default"]
+    params, ref, _ = _run(kind, hyper, shapes=FINALISER_SHAPES, steps=2)
+    assert max_rel_err(params, ref) <= tols(torch.float32)
+
+
+# On a GPU (compiled kernels, CHUNK_SIZE 16384, ROWS 1, REDUCE_BLOCK 128): tensors over one chunk
+# (the unmasked vector loop, norms finished by another program than the first) and over 128
+# chunks (the finaliser's loop runs twice). Too large for the interpreter.
+GPU_CHUNK = 16384
+GPU_SHAPES = [(3 * GPU_CHUNK + 77,), (129 * GPU_CHUNK + 5,), (GPU_CHUNK,), (5,), (0,)]
+needs_gpu = pytest.mark.skipif(INTERPRETED, reason="needs a CUDA device: tensors of up to 130 "
+                               "chunks of 16384 elements (the interpreter runs the lowered "
+                               "REDUCE_BLOCK tests above instead)")
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_tensors_over_one_and_over_128_chunks_on_the_gpu(kind):
+    assert tables.CHUNK_SIZE == GPU_CHUNK and tables.REDUCE_BLOCK * GPU_CHUNK < 129 * GPU_CHUNK
+    hyper = dict(max_grad_norm=1.0) if kind == "lamb" else LARS_CASES["default"]
+    params, ref, _ = _run(kind, hyper, shapes=GPU_SHAPES, steps=2)
+    assert max_rel_err(params, ref) <= tols(torch.float32)
+
+
+@needs_gpu
+def test_norms_over_128_chunks_on_the_gpu_are_deterministic():
+    xs = _norm_inputs(GPU_SHAPES)
+    xs.append(_norm_inputs([(3 * GPU_CHUNK + 78,)])[0][1:])  # misaligned, over one chunk
+    be = TritonBackend()
+    first = be.sq_norms(xs)
+    assert all(torch.equal(be.sq_norms(xs), first) for _ in range(3))
+    expect = torch.stack([(x.double() ** 2).sum() for x in xs]).float()
+    torch.testing.assert_close(first, expect, rtol=1e-5, atol=0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_misaligned_tensors_over_one_chunk_on_the_gpu(kind):
+    """A param and grad 4 bytes past a 16-byte boundary: the misaligned kernels over many chunks."""
+    n = 3 * GPU_CHUNK + 77
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(n + 1, generator=gen).to(DEVICE)
+    p = torch.nn.Parameter(base[1:])
+    assert p.data_ptr() % 16
+    ref_p = torch.nn.Parameter(base[1:].clone())
+    opts = [(fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS)([x], lr=0.01,
+                                                                         backend=be)
+            for x, be in ((p, "triton"), (ref_p, "eager"))]
+    for step in range(2):
+        g = torch.randn(n + 1, generator=gen).to(DEVICE)
+        p.grad, ref_p.grad = g[1:], g[1:].clone()
+        for opt in opts:
+            opt.step()
+    assert max_rel_err([p], [ref_p]) <= 1e-5
+
+
+@triton.jit
+def _partial_slot_offset(base, out, C: tl.constexpr):
+    """``out[0]``: the byte offset from ``base`` of chunk C's partial sums."""
+    c = tl.full([1], C, tl.int32) + tl.program_id(0)
+    slot = partial_slots(base, c)
+    tl.store(out + tl.arange(0, 1), slot.to(tl.int64) - base.to(tl.int64))
+
+
+def test_partial_sums_of_chunks_past_2_30_are_addressed_in_64_bits():
+    """``partials + 2·c`` with the int32 chunk index ``c``: 2·c must not wrap past 2**30 chunks
+    (a tensor of 2**30 chunks is out of reach of a test; the address arithmetic is not)."""
+    base = torch.zeros(2, device=DEVICE)
+    out = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    chunk = 2**30 + 3
+    _partial_slot_offset[(1,)](base, out, C=chunk)
+    assert int(out) == 2 * chunk * base.element_size()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -435,6 +672,48 @@ def test_auto_falls_back_with_one_warning_when_a_kernel_does_not_compile(broken_
                                           "PTXAS error: injected", "'eager'"))
     # every step, the first included, was done by eager: nothing ran half on triton
     assert all(torch.equal(p, q) for p, q in zip(params, eager_params))
+
+
+def _alignment_as_triton_specializes(kernel, kw):
+    """The tensor arguments of a launch with the alignment Triton specializes each on (None where
+    the kernel is declared not to: Note [scalar operands])."""
+    fn_kwargs = getattr(kernel, "kwargs", {})
+    loose = (getattr(kernel, "do_not_specialize_on_alignment", None)
+             or fn_kwargs.get("do_not_specialize_on_alignment") or ())
+    return tuple((k, str(v.dtype), None if k in loose else v.data_ptr() % 16 == 0)
+                 for k, v in kw.items() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_misaligned_scalar_operands_are_compiled_before_the_step(kind, monkeypatch):
+    """Note [scalar operands]: a tensor lr that is a 0-dim view (``lrs[1]``, 8 bytes past a 16-byte
+    boundary) and a misaligned ``found_inf`` launch the specializations ``prepare`` compiled, not
+    new ones compiled mid-step after pass 1 ran."""
+    lrs = torch.tensor([0.01, 0.02], dtype=torch.float64, device=DEVICE)
+    flags = torch.zeros(2, device=DEVICE)
+    assert lrs[1].data_ptr() % 16 and flags[1].data_ptr() % 16
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in [(33,), (7,)]]
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opt = cls(params, lr=lrs[1], backend="triton")
+    compiled, launched = set(), []
+    real_launch = tables.launch
+    monkeypatch.setattr(triton_backend, "_compiled", set())
+    monkeypatch.setattr(tables, "compile_only", lambda kernel, table, **kw: compiled.add(
+        (kernel, _alignment_as_triton_specializes(kernel, kw))))
+
+    def launch(kernel, table, **kw):
+        launched.append((kernel, _alignment_as_triton_specializes(kernel, kw)))
+        real_launch(kernel, table, **kw)
+
+    monkeypatch.setattr(tables, "launch", launch)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+    opt.grad_scale, opt.found_inf = torch.tensor(2.0, device=DEVICE), flags[1]
+    opt.step()
+    assert launched and all(spec in compiled for spec in launched), \
+        [spec for spec in launched if spec not in compiled]
+    assert any(k == "lr_ptr" for _, spec in launched for k, *_ in spec)
 
 
 def test_explicit_backend_raises_on_a_compile_failure_and_changes_nothing(monkeypatch):

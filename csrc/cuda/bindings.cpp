@@ -4,8 +4,9 @@
 // launchers of launch.h on the current stream; it never reads a device tensor's value on the
 // host, so a step neither synchronizes nor copies anything between host and device. (The keys of
 // LAMB's stochastic rounding, read when some state is low-precision, are a CPU tensor as the
-// optimizers pass them.)
+// optimizers pass them, and so is a CPU tensor lr: Note [CPU tensor lr].)
 #include <Python.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -126,6 +127,36 @@ DeviceScalars device_scalars(const std::optional<at::Tensor>& grad_mult,
   s.found_inf = scalar_ptr<float>(found_inf, at::kFloat, device, "found_inf");
   s.lr = scalar_ptr<double>(lr, at::kDouble, device, "lr (a tensor)");
   return s;
+}
+
+// Note [CPU tensor lr] (fusedopt/backends/triton_backend.py): a tensor lr on the CPU (torch's
+// compiled-optimizer tutorial uses one with CUDA params) is read here on the host, which is no
+// device sync (a copy to the device would be a pageable upload that blocks the host), and
+// replaces the hyper's lr by value: the kernels read the same float64 as from the device, so the
+// result is bit-identical. It is refused during CUDA-graph capture, where every replay would keep
+// this step's value. A tensor lr on the bucket's device is read by the kernels as float64 (one of
+// another floating dtype is cast on the device, on the current stream: no host sync). Returns the
+// device tensor the kernels read, or nullopt (a number lr, or a CPU tensor lr now in hyper_lr).
+std::optional<at::Tensor> device_lr(const std::optional<at::Tensor>& lr, double& hyper_lr,
+                                    c10::Device device) {
+  if (!lr.has_value()) return std::nullopt;
+  TORCH_CHECK(lr->numel() == 1 && lr->is_floating_point(), kWho,
+              "lr (a tensor) must be a one-element floating-point tensor, got ", lr->scalar_type(),
+              " of shape ", lr->sizes());
+  if (lr->device().is_cpu()) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(
+        cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &status));
+    TORCH_CHECK(status == cudaStreamCaptureStatusNone, kWho,
+                "a CPU tensor lr cannot be captured in a CUDA graph: the step reads its value on "
+                "the host, so every replay would use the value of the captured step; keep the "
+                "tensor lr on the params' device for a captured step");
+    hyper_lr = lr->item<double>();  // host memory: no device sync
+    return std::nullopt;
+  }
+  TORCH_CHECK(lr->device() == device, kWho, "lr (a tensor) is on ", lr->device(),
+              ", the bucket on ", device, "; put it on the CPU or on the bucket's device");
+  return lr->scalar_type() == at::kDouble ? *lr : lr->to(at::kDouble);
 }
 
 // The hyper-parameter tensors are parsed as by the CPU operators (Note [hyper fields] in
@@ -330,8 +361,9 @@ void lamb_pass2(at::TensorList weights, at::TensorList params, at::TensorList ex
       check_states(exp_avgs, exp_avg_sqs, weights, compute, "exp_avgs", "exp_avg_sqs");
   check_steps(steps, weights);
   const c10::Device device = weights[0].device();
-  const LambHyper h = lamb_hyper(hyper);
-  const DeviceScalars s = device_scalars(std::nullopt, found_inf, lr, compute, device);
+  LambHyper h = lamb_hyper(hyper);
+  const std::optional<at::Tensor> lr_d = device_lr(lr, h.lr, device);  // Note [CPU tensor lr]
+  const DeviceScalars s = device_scalars(std::nullopt, found_inf, lr_d, compute, device);
   const Pointers p(weights, {}, exp_avgs, exp_avg_sqs, params, steps, std::move(formats));
   run_pass2(p, sums, compute, device, "lamb_pass2", [&](const void* s2, cudaStream_t stream) {
     return launch_lamb_pass2(p.b, h, s, s2, stream);
@@ -366,8 +398,9 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
       check_states(momentum_buffers, {}, weights, compute, "momentum_buffers", nullptr);
   check_steps(steps, weights);
   const c10::Device device = weights[0].device();
-  const LarsHyper h = lars_hyper(hyper);
-  const DeviceScalars s = device_scalars(grad_mult, found_inf, lr, compute, device);
+  LarsHyper h = lars_hyper(hyper);
+  const std::optional<at::Tensor> lr_d = device_lr(lr, h.lr, device);  // Note [CPU tensor lr]
+  const DeviceScalars s = device_scalars(grad_mult, found_inf, lr_d, compute, device);
   const Pointers p(weights, grads, momentum_buffers, {}, params, steps, std::move(formats));
   run_pass2(p, sums, compute, device, "lars_pass2", [&](const void* s2, cudaStream_t stream) {
     return launch_lars_pass2(p.b, h, s, s2, stream);

@@ -8,8 +8,10 @@ Per pass and bucket: pass 1 is one chunk kernel plus one per-tensor reduction ke
 table of up to ~60 tensors: see Note [launch splitting] in ``csrc/cuda/multi_tensor_apply.cuh``);
 pass 2 is one chunk kernel per table. Norms are reduced in two deterministic stages (per-chunk
 partial sums, then a fixed-order sum per tensor; no float atomics), step counts are advanced on
-the device by the reduction, and ``grad_mult`` / ``found_inf`` / a tensor ``lr`` are read by the
-kernels through pointers, so ``step()`` never synchronizes with the host.
+the device by the reduction, and ``grad_mult`` / ``found_inf`` / a tensor ``lr`` on the device are
+read by the kernels through pointers, so ``step()`` never synchronizes with the host. A CPU tensor
+``lr`` is read on the host by the operator (no device sync, no copy) and passed by value, and
+refused during CUDA-graph capture (Note [CPU tensor lr] in fusedopt/backends/triton_backend.py).
 
 The per-element math is ``csrc/fusedopt/math.h``, the header the CPU backend compiles too (its
 tests check it on the host against the float64 reference). Low-precision state (``bf16`` and
@@ -26,6 +28,11 @@ from __future__ import annotations
 import torch
 
 from .cpp import CppBackend, load_extension
+
+CPU_LR_IN_CAPTURE = (
+    "fusedopt cuda backend: a CPU tensor lr cannot be captured in a CUDA graph: the step reads its "
+    "value on the host, so every replay would use the value of the captured step; keep the tensor "
+    "lr on the params' device for a captured step")
 
 _LOW = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -67,6 +74,17 @@ class CudaBackend(CppBackend):
                     f"{param_dtype} (float32 params take float32, bfloat16 or float16 grads; "
                     "bfloat16/float16 params take grads of their own dtype or float32)")
         return None
+
+    def prepare(self, b, kind, h, has_grad_mult, has_found_inf, clip):
+        """Note [CPU tensor lr]: a CPU tensor lr is refused in a CUDA-graph capture before the
+        step's first launch (the operators refuse it too, as a last line of defence)."""
+        lr = h.lr
+        if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and b.device.type == "cuda"
+                and not torch.compiler.is_compiling()):
+            with torch.cuda.device(b.device):
+                capturing = torch.cuda.is_current_stream_capturing()
+            if capturing:
+                raise RuntimeError(CPU_LR_IN_CAPTURE)
 
     def bind(self, b, check):
         return None  # KeptLayout holds the CPU kernels; CUDA goes through torch.ops

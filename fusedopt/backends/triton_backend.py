@@ -5,9 +5,10 @@ tensors up to ``fusedopt.kernels.tables.MAX_TENSORS_PER_LAUNCH``: LAMB 2, LARS 2
 global clipping (``sq_norms`` of the grads); twice that when some of its tensors are not 16-byte
 aligned (Note [per-tensor alignment] in kernels/tables.py). Outside the launches ``step()`` makes
 O(1) torch calls per bucket (allocating ``sums``); the tables live with the bucket (Note [table
-ownership]). Nothing is read on the host. Every launch runs on its bucket's device and that
-device's current stream (Note [device guard]); before the first launch of a step, ``prepare``
-compiles whatever the step needs, so a compile failure changes nothing.
+ownership]). No device tensor is read on the host (a CPU tensor ``lr`` of CUDA params is read
+as a number: Note [CPU tensor lr] at :func:`host_lr`). Every launch runs on its bucket's device
+and that device's current stream (Note [device guard]); before the first launch of a step,
+``prepare`` compiles whatever the step needs, so a compile failure changes nothing.
 
 Dtypes: float16, bfloat16, float32 and float64 params and grads; the math runs in float32, and in
 float64 for float64 params (hyper-parameters travel as float64 kernel arguments).
@@ -147,12 +148,36 @@ def _grad_mult(lists: Lists, grad_mult):
     return _k().tables.operand(p.device, compute_dtype(p.dtype), 1.0)
 
 
-def _lr_args(lr, device) -> dict:
-    """``lr`` and ``lr_ptr`` of a pass-2 launch (Note [runtime flags]): a tensor lr as float64 on
-    ``device`` (exact from any floating dtype), a number lr in ``lr`` with a 0 in ``lr_ptr``."""
+CPU_LR_IN_CAPTURE = (
+    "fusedopt triton backend: a CPU tensor lr cannot be captured in a CUDA graph: the step reads "
+    "its value on the host, so every replay would use the value of the captured step; keep the "
+    "tensor lr on the params' device for a captured step")
+
+
+def host_lr(lr, device):
+    """Note [CPU tensor lr]: ``lr`` as the launches take it. A CPU tensor lr with params on
+    another device (torch's compiled-optimizer tutorial uses one with CUDA params) is read on the
+    host, which is no device sync (a copy to the device would be a pageable upload that blocks the
+    host at every step), and travels by value as a number lr does: the kernels read the same
+    float64, so the result is bit-identical to reading it on the device. During CUDA-graph capture
+    it is refused: the captured launches would keep this step's value at every replay. Any other
+    lr is returned as it is."""
+    if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and device.type != "cpu":
+        if _k().tables.capturing(device):
+            raise RuntimeError(CPU_LR_IN_CAPTURE)
+        return float(lr.detach().reshape(()).item())  # a host read of host memory: no sync
+    return lr
+
+
+def _lr_args(lr, device) -> tuple[dict, bool]:
+    """``lr``, ``lr_ptr`` and whether the flag LR_TENSOR is set, for a pass-2 launch (Note [runtime
+    flags]): a tensor lr on the params' device as float64 there (exact from any floating dtype; a
+    device-side cast at most, never a host copy), a number lr or a CPU tensor lr of CUDA params
+    (read on the host, Note [CPU tensor lr]) in ``lr`` with a 0 in ``lr_ptr``."""
+    lr = host_lr(lr, device)
     if isinstance(lr, torch.Tensor):
-        return dict(lr=0.0, lr_ptr=lr.to(device=device, dtype=torch.float64))
-    return dict(lr=lr, lr_ptr=_k().tables.operand(device, torch.float64, 0.0))
+        return dict(lr=0.0, lr_ptr=lr.to(device=device, dtype=torch.float64)), True
+    return dict(lr=lr, lr_ptr=_k().tables.operand(device, torch.float64, 0.0)), False
 
 
 def tables_of(lists: Lists, store, keys=None) -> list:
@@ -189,7 +214,7 @@ def pass2_launches(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_in
     """The ``(kernel, table, kwargs)`` of pass 2 over ``tabs``; ``lr`` a tensor lr or None."""
     k, t, h = _k(), _k().tables, _values(kind, hyper)
     dev = lists[0][0].device
-    lr_kw = _lr_args(lr if isinstance(lr, torch.Tensor) else h["lr"], dev)
+    lr_kw, lr_tensor = _lr_args(lr if isinstance(lr, torch.Tensor) else h["lr"], dev)
     out = []
     for table in tabs:
         kw = dict(_common(lists, table, found_inf), sums=sums, **lr_kw)
@@ -203,13 +228,13 @@ def pass2_launches(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_in
                       one_minus_beta2=h["one_minus_beta2"], eps=h["eps"],
                       lambda_in_u=h["lambda_in_u"], decoupled_wd=h["decoupled_lambda"],
                       ratio_lo=h["ratio_lo"], ratio_hi=h["ratio_hi"],
-                      flags=t.flags(LR_TENSOR=isinstance(lr, torch.Tensor), **on))
+                      flags=t.flags(LR_TENSOR=lr_tensor, **on))
         else:
             kernel = k.lars.lars_pass2_kernel
             kw.update(grad_mult=_grad_mult(lists, grad_mult), G_DTYPE=k.dtype[lists[1][0].dtype],
                       momentum=h["momentum"], one_minus_dampening=h["one_minus_dampening"],
                       weight_decay=h["weight_decay"], trust_coefficient=h["trust_coefficient"],
-                      eps=h["eps"], flags=t.flags(LR_TENSOR=isinstance(lr, torch.Tensor), **on))
+                      eps=h["eps"], flags=t.flags(LR_TENSOR=lr_tensor, **on))
         out.append((kernel, table, kw))
     return out
 
@@ -288,13 +313,34 @@ def run_sq_norms(tensors: list[torch.Tensor], store, tabs=None) -> torch.Tensor:
 _compiled: set = set()
 
 
+def _loose_alignment(kernel) -> tuple:
+    """The arguments whose alignment ``kernel`` does not specialize on (Note [scalar operands] in
+    kernels/tables.py): a JITFunction's ``do_not_specialize_on_alignment``, or the keyword an
+    interpreted one was declared with."""
+    names = getattr(kernel, "do_not_specialize_on_alignment", None)
+    if names is None:
+        names = getattr(kernel, "kwargs", {}).get("do_not_specialize_on_alignment")
+    return tuple(names or ())
+
+
+def specialization_key(kernel, table, kw: dict) -> tuple:
+    """What Triton compiles a launch of ``kernel`` with ``kw`` for: the kernel, the device type,
+    the constexprs, and the dtype of each tensor argument with whether it is 16-byte aligned,
+    except for the arguments the kernel does not specialize on (Note [scalar operands])."""
+    loose = _loose_alignment(kernel)
+    return (kernel, table.device.type, tuple((k, v) for k, v in kw.items() if k.isupper()),
+            tuple((k, str(v.dtype), k in loose or v.data_ptr() % 16 == 0)
+                  for k, v in kw.items() if isinstance(v, torch.Tensor)))
+
+
 def compile_step(kind: str, lists: Lists, hyper, clip: bool, store, tabs=None,
                  sq_tabs=None, keys=None) -> None:
     """Compile every kernel a step of ``kind`` launches over ``lists`` before any runs, so that a
     compile failure changes nothing. The launches of a step are declared by the ``*_launches``
     functions; a specialization is the kernel, its constexprs, the dtypes of its tensor
-    arguments and whether each is 16-byte aligned (Triton specializes on it), each compiled
-    once per process (a no-op under the interpreter)."""
+    arguments and whether each is 16-byte aligned (Triton specializes on it, except on the
+    scalar operands: Note [scalar operands] in kernels/tables.py), each compiled once per
+    process (a no-op under the interpreter)."""
     t = _k().tables
     tabs = tables_of(lists, store, keys) if tabs is None else tabs
     sums = _sums(lists)
@@ -306,9 +352,7 @@ def compile_step(kind: str, lists: Lists, hyper, clip: bool, store, tabs=None,
             len(grads), dtype=compute_dtype(grads[0].dtype), device=grads[0].device),
             sq_tables_of(grads, store) if sq_tabs is None else sq_tabs)
     for kernel, table, kw in launches:
-        key = (kernel, table.device.type, tuple((k, v) for k, v in kw.items() if k.isupper()),
-               tuple((str(v.dtype), v.data_ptr() % 16 == 0) for v in kw.values()
-                     if isinstance(v, torch.Tensor)))
+        key = specialization_key(kernel, table, kw)
         if key not in _compiled:
             t.compile_only(kernel, table, **kw)
             _compiled.add(key)
@@ -375,6 +419,7 @@ class TritonBackend(Backend):
     def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
                 clip: bool) -> None:
         if not torch.compiler.is_compiling():  # Note [triton operators]: pass 1's operator does
+            host_lr(h.lr, b.device)  # Note [CPU tensor lr]: refused in a capture before a launch
             compile_step(kind, _lists(b), h, clip, _store(b.workspace), self._tables(b),
                          self._sq_tables(b) if clip else None)
 

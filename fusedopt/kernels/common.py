@@ -59,6 +59,10 @@ TRUST_CLIP = tl.constexpr(_tables.TRUST_CLIP)
 NESTEROV = tl.constexpr(_tables.NESTEROV)
 LR_IN_MOMENTUM = tl.constexpr(_tables.LR_IN_MOMENTUM)
 INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+# The decorator arguments of the pass kernels: Note [runtime flags] and Note [scalar operands]
+# in kernels/tables.py
+PASS_KERNEL = dict(do_not_specialize=["flags"],
+                   do_not_specialize_on_alignment=list(_tables.SCALAR_OPERANDS))
 
 
 @triton.jit
@@ -177,13 +181,21 @@ def masked_sq(x, mask):
 
 
 @triton.jit
+def partial_slots(partials, c):
+    """The ``partials`` rows of the chunks ``c`` (int32 ``[ROWS]``): ``partials + 2·c``, in 64-bit
+    arithmetic (``2·c`` in int32 wraps past 2**30 chunks)."""
+    return partials + 2 * c.to(tl.int64)
+
+
+@triton.jit
 def finish_rows(partials, counters, sums, c, valid, i, rec, first, count, p0, p1, NS: tl.constexpr,
                 ROWS: tl.constexpr, RBLOCK: tl.constexpr):
     """Second stage of Note [two-stage norms]: store the rows' partial sums ``(p0, p1)``; for each
     row that finishes its tensor, write the tensor's sums to its output row ``o = rec[OUT]``
     (``sums[o]``, or ``sums[o, 0:2]`` when NS == 2). Returns the ``[ROWS]`` mask of those rows."""
-    tl.store(partials + 2 * c, p0, mask=valid)
-    tl.store(partials + 2 * c + 1, p1, mask=valid)
+    row_slot = partial_slots(partials, c)  # (a name of its own: the loop below has ``slot``)
+    tl.store(row_slot, p0, mask=valid)
+    tl.store(row_slot + 1, p1, mask=valid)
     tl.debug_barrier()
     done = tl.atomic_add(counters + i, 1, mask=valid, sem="acq_rel", scope="gpu")
     last = valid & (done == count - 1)

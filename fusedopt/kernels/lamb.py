@@ -34,8 +34,8 @@ from .math import (
 )
 from .common import (
     ADAPT, BF16_STATE, BIAS_CORRECTION, BOUNDED, FORMAT, GRAD, KEY, LR_TENSOR, MASTER, OUT, PARAM,
-    Q8_STATE, STATE0, STATE1, STEP, any_row, chunks_of, finish_rows, flag, load_tile, masked_sq,
-    round_to, state_ptrs, tensor_ptrs, tiles3,
+    PASS_KERNEL, Q8_STATE, STATE0, STATE1, STEP, any_row, chunks_of, finish_rows, flag, load_tile,
+    masked_sq, round_to, state_ptrs, tensor_ptrs, tiles3,
 )
 
 
@@ -184,7 +184,7 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
             tl.sum(tl.reshape(acc_u, [ROWS, BLOCK]), 1))
 
 
-@triton.jit(do_not_specialize=["flags"])
+@triton.jit(**PASS_KERNEL)
 def lamb_pass1_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, exp_avg, exp_avg_sq, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
@@ -334,7 +334,7 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps, lam
                            r1, r2, eps, lam, lr_phi, decay, P_DTYPE, HAS_MASTER)
 
 
-@triton.jit(do_not_specialize=["flags"])
+@triton.jit(**PASS_KERNEL)
 def lamb_pass2_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, exp_avg, exp_avg_sq, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding

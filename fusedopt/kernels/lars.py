@@ -21,8 +21,8 @@ from .math import (
 )
 from .common import (
     ADAPT, BF16_STATE, COMBINED, FORMAT, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT,
-    PARAM, Q8_STATE, STATE0, STEP, TRUST_CLIP, any_row, chunks_of, finish_rows, flag, load_tile,
-    round_to, state_ptrs, tensor_ptrs, tiles3,
+    PARAM, PASS_KERNEL, Q8_STATE, STATE0, STEP, TRUST_CLIP, any_row, chunks_of, finish_rows, flag,
+    load_tile, round_to, state_ptrs, tensor_ptrs, tiles3,
 )
 
 
@@ -37,7 +37,7 @@ def _pass1_tile(w_ptr, g_ptr, mask, gm, lam, CD: tl.constexpr, combined):
     return w * w, g * g
 
 
-@triton.jit(do_not_specialize=["flags"])
+@triton.jit(**PASS_KERNEL)
 def lars_pass1_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, momentum_buffer, -, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding
@@ -203,7 +203,7 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, 
                            nesterov, lr_in_momentum)
 
 
-@triton.jit(do_not_specialize=["flags"])
+@triton.jit(**PASS_KERNEL)
 def lars_pass2_kernel(
     records,  # int64 [n, RECORD]: param, grad, master, momentum_buffer, -, step pointers
     owner,  # int32 [programs * ROWS]: tensor of each chunk, -1 for padding

@@ -52,6 +52,16 @@ launch are one per dtype combination, masters and alignment: a few hundred, all 
 tests (docs/triton_kernels.md), where constexpr switches would multiply them to tens of
 thousands, each one a compile on the first step that uses it.
 
+Note [scalar operands]: ``grad_mult``, ``found_inf`` and ``lr_ptr`` are 0-dim tensors read as
+scalars (``SCALAR_OPERANDS``). Triton specializes a pointer argument on whether it is a multiple
+of 16 bytes unless told not to, and one of them may well not be (a 0-dim view such as
+``lrs[k]`` of a float64 tensor of learning rates): that kernel would be a specialization that
+``prepare`` did not compile (it sees the stand-in 1/0 operands, made aligned), compiled mid-step
+after pass 1 ran. The pass kernels are therefore declared with ``do_not_specialize_on_alignment``
+for these arguments (a scalar load gains nothing from the alignment), so one compiled kernel
+serves every address, and the backend's record of compiled specializations leaves their
+addresses out.
+
 Note [state formats in the tables]: docs/math.md's low-precision state is per tensor (told by the
 state tensor's dtype: bfloat16 is bf16, uint8 the packed 8-bit format), so one launch may hold
 tensors of every format. Each record carries ``FORMAT`` (0 full, 1 bf16, 2 8-bit, from the first
@@ -118,6 +128,8 @@ RECORD = 11
 FULL_STATE, BF16_STATE, Q8_STATE = 0, 1, 2
 STATE_FORMATS = {torch.bfloat16: BF16_STATE, torch.uint8: Q8_STATE}
 Q8_BLOCK = 256  # elements per 8-bit block (docs/math.md)
+# Note [scalar operands]: the 0-dim tensor arguments whose address the kernels do not specialize on
+SCALAR_OPERANDS = ("grad_mult", "found_inf", "lr_ptr")
 # Bits of ``flags`` (Note [runtime flags]); kernels/common.py reads them by these numbers.
 FLAG_BITS = dict(LR_TENSOR=1, BIAS_CORRECTION=2, ADAPT=4, BOUNDED=8, COMBINED=16, TRUST_CLIP=32,
                  NESTEROV=64, LR_IN_MOMENTUM=128)
@@ -181,8 +193,14 @@ def launch(kernel, table: Table, **kwargs) -> None:
             kernel[(table.num_programs,)](num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
                                           enable_fp_fusion=False, **kwargs)
     except Exception as e:
-        table.counters.zero_()  # a launch that stopped half-way may leave norm counters nonzero
-        raise KernelError(_kernel_name(kernel), specialization(kwargs), "compile or launch", e) from e
+        error = KernelError(_kernel_name(kernel), specialization(kwargs), "compile or launch", e)
+        try:  # a launch that stopped half-way may leave norm counters nonzero
+            table.counters.zero_()
+        except Exception as reset:  # a sticky CUDA error fails every later device call too; the
+            # error raised still names the kernel and the launch's own cause
+            error.args = (f"{error} (its table's norm counters could not be reset either: "
+                          f"{type(reset).__name__}: {reset})",)
+        raise error from e
 
 
 def compile_only(kernel, table: Table, **kwargs) -> None:

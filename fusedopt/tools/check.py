@@ -383,6 +383,9 @@ def main(argv: list[str] | None = None, *,
                     help="check only this device (repeatable): cpu, cuda (every CUDA device) "
                          "or cuda:N; default: the CPU and every CUDA device")
     ap.add_argument("--no-speed", action="store_true", help="skip the speed tables")
+    ap.add_argument("--json", metavar="PATH",
+                    help="also write the rows, the backends not checked and the problems to PATH "
+                         "(scripts/gpu_verify.py reads it)")
     args = ap.parse_args(argv)
     try:
         devices = parse_devices(args.device) if args.device else None
@@ -390,7 +393,35 @@ def main(argv: list[str] | None = None, *,
         ap.error(str(e))
     report = run(devices, args.backend, quick=args.quick, speed=not args.no_speed,
                  backend_objects=backend_objects)
+    if args.json:
+        write_json(report, args.json, quick=args.quick)
     return 0 if report.ok else 1
+
+
+def report_dict(report: Report, *, quick: bool = False) -> dict:
+    """The report as JSON-ready data: every row (device, backend, optimizer, dtype, case, status,
+    error, tolerance, rule, detail), the backends not checked with the reason, the problems."""
+    return dict(
+        mode="quick" if quick else "full", ok=report.ok, torch=torch.__version__,
+        fusedopt=fusedopt.__version__,
+        rows=[dict(device=r.device, backend=r.backend, kind=r.kind, dtype=r.dtype, case=r.case,
+                   status=r.status, error=_json_float(r.error),
+                   tolerance=_json_float(r.tolerance), rule=r.rule,
+                   detail=r.detail) for r in report.rows],
+        not_checked=[dict(device=d, backend=b, reason=why) for d, b, why in report.not_checked],
+        problems=list(report.problems))
+
+
+def _json_float(x):
+    """A number as strict JSON holds it (inf and nan as strings)."""
+    return x if x is None or math.isfinite(x) else str(x)
+
+
+def write_json(report: Report, path: str, *, quick: bool = False) -> None:
+    import json
+
+    with open(path, "w") as f:
+        json.dump(report_dict(report, quick=quick), f, indent=1, allow_nan=False, default=str)
 
 
 if __name__ == "__main__":
