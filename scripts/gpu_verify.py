@@ -10,7 +10,8 @@ Steps, each in a process of its own with a time limit, in this order:
 1. ``environment``: python, torch, CUDA, triton, the devices, and which fusedopt backends load
    (with the reason for each one that does not);
 2. ``gpu tests``: ``pytest -m "gpu and not slow"`` over the test files that carry the ``gpu``
-   marker (tests/test_triton.py compiled for the GPU, tests/test_cuda_gpu.py); every failure
+   marker (tests/test_triton.py and tests/test_triton_lowp.py compiled for the GPU,
+   tests/test_cuda_gpu.py); every failure
    named by its test id and message, every skip reason counted;
 3. ``self-check``: ``python -m fusedopt check`` in its full mode (every case set, every backend
    on every device, then the speed table), its rows read from ``--json``; a failed row names
@@ -44,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The files holding tests marked ``gpu`` (pytest -m gpu selects them inside these files).
-GPU_TEST_FILES = ["tests/test_triton.py", "tests/test_cuda_gpu.py"]
+GPU_TEST_FILES = ["tests/test_triton.py", "tests/test_triton_lowp.py", "tests/test_cuda_gpu.py"]
 NO_DEVICE = "no CUDA device"
 TAIL_LINES = 60
 

@@ -41,7 +41,8 @@ if backends.get_backend("cpp") is None:
 from fusedopt.kernels import tables  # noqa: E402
 
 # The interpreter evaluates masked-off lanes too (0/0 of lanes past a tensor's end).
-pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning"),
+              pytest.mark.gpu]  # scripts/gpu_verify.py runs it on a GPU against the cpp bytes
 
 # Not multiples of 256 (blocks with a short last one), below a tile (512 under the interpreter),
 # between a tile and a chunk (2048), over one and two chunks; whole blocks; a tiny tensor.
