@@ -11,8 +11,8 @@ Steps, each in a process of its own with a time limit, in this order:
    (with the reason for each one that does not);
 2. ``gpu tests``: ``pytest -m "gpu and not slow"`` over the test files that carry the ``gpu``
    marker (tests/test_triton.py and tests/test_triton_lowp.py compiled for the GPU,
-   tests/test_cuda_gpu.py); every failure
-   named by its test id and message, every skip reason counted;
+   tests/test_cuda_gpu.py); every failure named by its test id and message, every skip reason
+   counted;
 3. ``self-check``: ``python -m fusedopt check`` in its full mode (every case set, every backend
    on every device, then the speed table), its rows read from ``--json``; a failed row names
    the device, backend, optimizer, dtype and case;
