@@ -52,6 +52,7 @@ def test_cli_quick_passes_with_eager_and_cpp_rows():
         assert [(r[2], r[3], r[4]) for r in rows if r[1] == name] == quick
     assert all(r[5] == "pass" for r in rows), out
     assert "correctness: PASS" in out
+    assert check.COVERAGE in out  # what the rows prove, and what they leave to the GPU tests
 
 
 class CorruptAfterPass2:
