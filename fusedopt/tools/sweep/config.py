@@ -37,8 +37,8 @@ SWEEP: dict[str, Any] = dict(
     # multiplier is at an end of those tried (or none reached the target), the search goes on in
     # factor-2 steps beyond it until the choice has a worse neighbour on each side, never beyond
     # 2**±lr_cap times the rule's LR (the table says when a choice is at the edge or the cap).
-    # "rule": lr_grid only, the rule's LR × {1/2, 1, 2} (the sweep before issue 33), for
-    # comparison: where all of it diverges, that batch size drops out of the fit.
+    # "rule": lr_grid only, the rule's LR × {1/2, 1, 2} (the sweep before the LR was tuned per
+    # batch), for comparison: where all of it diverges, that batch size drops out of the fit.
     tuning="wide",
     # 2**6 = 64: in the default run the rule's LR is off by at most 8x (LARS's linear rule at
     # 1024 and the full batch: best LR 1/8 of it), so the cap is not what stops the search; it
