@@ -145,6 +145,18 @@ def any_row(x):
 
 
 @triton.jit
+def format_rows(fmt):
+    """For the ``[ROWS]`` state formats of a program's rows: per format (full, bf16, 8-bit) the
+    ``[ROWS, 1, 1]`` mask of its rows over a tile of whole 8-bit blocks, then whether any row
+    holds it (the format's branch runs only then)."""
+    full = fmt == 0
+    half = fmt == BF16_STATE
+    q8 = fmt == Q8_STATE
+    return (full[:, None, None], half[:, None, None], q8[:, None, None],
+            any_row(full), any_row(half), any_row(q8))
+
+
+@triton.jit
 def flag(flags, BIT: tl.constexpr):
     """Whether bit BIT of the runtime ``flags`` is set (Note [runtime flags] in kernels/tables.py)."""
     return (flags & BIT) != 0

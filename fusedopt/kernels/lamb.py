@@ -33,9 +33,9 @@ from .math import (
     q8_root_value, q8_signed_block, q8_signed_code, q8_signed_value, sr_base, sr_bits,
 )
 from .common import (
-    ADAPT, BF16_STATE, BIAS_CORRECTION, BOUNDED, FORMAT, GRAD, KEY, LR_TENSOR, MASTER, OUT, PARAM,
-    PASS_KERNEL, Q8_STATE, STATE0, STATE1, STEP, any_row, chunks_of, finish_rows, flag, load_tile,
-    masked_sq, round_to, state_ptrs, tensor_ptrs, tiles3,
+    ADAPT, BIAS_CORRECTION, BOUNDED, FORMAT, GRAD, KEY, LR_TENSOR, MASTER, OUT, PARAM, PASS_KERNEL,
+    STATE0, STATE1, STEP, any_row, chunks_of, finish_rows, flag, format_rows, load_tile, masked_sq,
+    round_to, state_ptrs, tensor_ptrs, tiles3,
 )
 
 
@@ -150,12 +150,7 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
     mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
     vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
     base = sr_base(t, tl.load(rec + KEY))[:, None, None]
-    full = (fmt == 0)[:, None, None]
-    half = (fmt == BF16_STATE)[:, None, None]
-    q8 = (fmt == Q8_STATE)[:, None, None]
-    any_full = any_row(fmt == 0)
-    any_half = any_row(fmt == BF16_STATE)
-    any_q8 = any_row(fmt == Q8_STATE)
+    full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
     acc_w = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
     acc_u = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
     for off in range(0, tl.max(n, 0), BLOCK):
@@ -310,12 +305,7 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps, lam
     lr_phi = lr_phi[:, None, None]
     mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
     vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
-    full = (fmt == 0)[:, None, None]
-    half = (fmt == BF16_STATE)[:, None, None]
-    q8 = (fmt == Q8_STATE)[:, None, None]
-    any_full = any_row(fmt == 0)
-    any_half = any_row(fmt == BF16_STATE)
-    any_q8 = any_row(fmt == Q8_STATE)
+    full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
     for off in range(0, tl.max(n, 0), BLOCK):
         o = off + o3
         inside = o < n3

@@ -20,8 +20,8 @@ from .math import (
     lars_step, lars_trust_ratio, q8_signed_block, q8_signed_code, q8_signed_value,
 )
 from .common import (
-    ADAPT, BF16_STATE, COMBINED, FORMAT, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT,
-    PARAM, PASS_KERNEL, Q8_STATE, STATE0, STEP, TRUST_CLIP, any_row, chunks_of, finish_rows, flag,
+    ADAPT, COMBINED, FORMAT, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT, PARAM,
+    PASS_KERNEL, STATE0, STEP, TRUST_CLIP, any_row, chunks_of, finish_rows, flag, format_rows,
     load_tile, round_to, state_ptrs, tensor_ptrs, tiles3,
 )
 
@@ -179,12 +179,7 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, 
     keep = keep[:, None, None]
     add = add[:, None, None]
     vh, vs, vc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
-    full = (fmt == 0)[:, None, None]
-    half = (fmt == BF16_STATE)[:, None, None]
-    q8 = (fmt == Q8_STATE)[:, None, None]
-    any_full = any_row(fmt == 0)
-    any_half = any_row(fmt == BF16_STATE)
-    any_q8 = any_row(fmt == Q8_STATE)
+    full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
     for off in range(0, tl.max(n, 0), BLOCK):
         o = off + o3
         inside = o < n3
