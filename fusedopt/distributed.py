@@ -48,11 +48,13 @@ import torch.distributed as dist
 
 from . import backends as _backends
 from ._bucket import local as _local
+from .optim import check_partition_options
 
 if TYPE_CHECKING:
     from ._bucket import Bucket
 
-__all__ = ["ShardedNormReducer", "accumulate", "enable_zero_global_clipping", "reducer_for"]
+__all__ = ["ShardedNormReducer", "accumulate", "enable_deepspeed_zero", "enable_zero_global_clipping",
+           "reducer_for"]
 
 T = TypeVar("T")
 
@@ -366,6 +368,147 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
             f"the local optimizer is {type(inner).__name__}"
         )
     inner.set_grad_norm_reducer(_ZeroGradSqReducer(zero_optimizer.process_group))
+
+
+# ------------------------------------------------------------------------------ DeepSpeed ZeRO
+@dataclass(eq=False)
+class _Partition:
+    """Where the pieces of a flat partition lie (sorted by start), and which tensor of its param
+    group (numbered as DeepSpeed lists them, the same on every rank) each piece belongs to."""
+
+    starts: list[int]
+    numels: list[int]
+    tensor_of: dict[int, int]  # start -> tensor index
+    tensors: int  # tensors in the param group, over all ranks
+    steps: torch.Tensor  # one float32 step count per piece (Note [flat partitions], optim.py)
+    step: torch.Tensor | None = None
+
+
+class _PartitionReducer:
+    """Completes the sums of pieces of flat partitions (:func:`enable_deepspeed_zero`): each
+    piece's row is put at its tensor's row of one table per step (zeros elsewhere), the table is
+    all-reduced over the data-parallel group, and each piece's row gets its tensor's total. A
+    tensor lies on each rank in at most one piece, and every element on exactly one rank, so
+    the sum counts each once."""
+
+    def __init__(self, partitions: dict[int, _Partition], group):
+        self._partitions = partitions
+        self._group = group
+        self._consts: dict[tuple, torch.Tensor] = {}  # see _const
+
+    def reduce_grad_sq(self, total: torch.Tensor) -> None:
+        _all_reduce_on(total, None, self._group)
+
+    def reduce_trust_sums(self, sums: list[torch.Tensor], buckets: list[Bucket]) -> None:
+        offsets: dict[int, int] = {}  # id(partition) -> its first row in the table
+        size = 0
+        picks = []  # (bucket index, rows of its pieces, their rows in the table)
+        for k, b in enumerate(buckets):
+            rows, at = [], []
+            for j, (src, t) in enumerate(zip(b.sources or (), b.params)):
+                part = self._partitions.get(id(src))
+                if part is None:
+                    continue  # a whole tensor: its sums are complete
+                if id(part) not in offsets:
+                    offsets[id(part)] = size
+                    size += part.tensors
+                rows.append(j)
+                at.append(offsets[id(part)] + part.tensor_of[t.storage_offset() - src.storage_offset()])
+            if rows:
+                picks.append((k, rows, at))
+        if not picks:
+            return
+        dtype = torch.float64 if any(sums[k].dtype == torch.float64 for k, _, _ in picks) \
+            else torch.float32
+        dev = sums[picks[0][0]].device
+        table = torch.zeros(size, 2, dtype=dtype, device=dev)
+        picked = []
+        for k, rows, at in picks:
+            s = sums[k]
+            ix = _const(self._consts, rows, torch.int64, s.device)
+            to = _const(self._consts, at, torch.int64, dev)
+            table.index_copy_(0, to, s.index_select(0, ix).to(dev, dtype))
+            picked.append((s, ix, to))
+        _all_reduce_on(table, None, self._group)
+        for s, ix, to in picked:
+            s.index_copy_(0, ix, table.index_select(0, to).to(s.device, s.dtype))
+
+
+def enable_deepspeed_zero(engine) -> None:
+    """Make a fusedopt optimizer under DeepSpeed ZeRO stage 1 or 2 compute each trust ratio over
+    its whole tensor (docs/distributed.md, "DeepSpeed ZeRO"). Call it once, on every rank, after
+    ``deepspeed.initialize`` (``engine``: the engine, or its ``engine.optimizer``).
+
+    ZeRO replaces each param group's params by this rank's piece of one flat float32 buffer,
+    cut without regard to tensor boundaries; stepped as one tensor, it would get one trust ratio
+    per rank and group. This reads where each tensor's piece lies in it (the fragment addresses
+    DeepSpeed records for its checkpoints) and makes the optimizer step every piece as a row of
+    its own and complete each tensor's sums with one all-reduce over the data-parallel group
+    per step call. Clip with DeepSpeed's ``gradient_clipping`` (``max_grad_norm`` is refused:
+    DeepSpeed steps each param group on its own, so no step sees the global norm). With ZeRO
+    stage 0 (no partition) there is nothing to do. Raises naming what is not supported:
+    ZeRO-3, low-precision optimizer state, param groups on different data-parallel groups,
+    ranks that hold no piece of some param group.
+    """
+    wrapper = getattr(engine, "optimizer", engine)
+    if hasattr(wrapper, "_set_partitions"):
+        return  # ZeRO stage 0: DeepSpeed steps the fusedopt optimizer on whole tensors
+    inner = getattr(wrapper, "optimizer", None)
+    kind = type(wrapper).__name__
+    if "Stage3" in kind:
+        raise RuntimeError(
+            "enable_deepspeed_zero supports ZeRO stages 1 and 2, not stage 3 (which cuts every "
+            "param across the ranks and steps sub-groups of the pieces: not mapped here); use "
+            "stage 1 or 2, or FSDP2, whose shards fusedopt's sharded norms handle")
+    if not hasattr(inner, "_set_partitions"):
+        raise TypeError("enable_deepspeed_zero needs a DeepSpeed engine whose client optimizer is "
+                        f"fusedopt.FusedLAMB or FusedLARS; got {kind} wrapping "
+                        f"{type(inner).__name__}")
+    lp_groups = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "bf16_groups", None)
+    dp_groups = getattr(wrapper, "real_dp_process_group", None)
+    if lp_groups is None or dp_groups is None or len(lp_groups) != len(inner.param_groups):
+        raise TypeError(f"enable_deepspeed_zero: {kind} is not a DeepSpeed ZeRO stage 1/2 or "
+                        "BF16 optimizer (no bit16 param groups and data-parallel groups)")
+    if len({id(g) for g in dp_groups}) != 1:
+        raise RuntimeError("enable_deepspeed_zero: param groups on different data-parallel groups "
+                           "(MoE expert groups) are not supported")
+    partitions: dict[int, _Partition] = {}
+    for gi, (group, lps) in enumerate(zip(inner.param_groups, lp_groups)):
+        inner._named(gi, check_partition_options, group)
+        if len(group["params"]) != 1:
+            raise TypeError(f"enable_deepspeed_zero: param group {gi} holds "
+                            f"{len(group['params'])} params, not one flat partition")
+        flat = group["params"][0]
+        pieces = sorted((m.get_hp_fragment_address().start, m.get_hp_fragment_address().numel, t)
+                        for t, m in enumerate(getattr(p, "_hp_mapping", None) for p in lps)
+                        if m is not None)
+        end = 0
+        for start, numel, _ in pieces:
+            if start < end or numel <= 0:
+                raise RuntimeError(f"enable_deepspeed_zero: param group {gi}: pieces overlap "
+                                   f"at element {start} of the flat partition")
+            end = start + numel
+        if flat.dim() != 1 or end > flat.numel() or not flat.is_contiguous():
+            raise RuntimeError(f"enable_deepspeed_zero: param group {gi}: the pieces do not fit "
+                               f"the flat partition of shape {tuple(flat.shape)}")
+        partitions[id(flat)] = _Partition(
+            starts=[s for s, _, _ in pieces], numels=[n for _, n, _ in pieces],
+            tensor_of={s: t for s, _, t in pieces}, tensors=len(lps),
+            steps=torch.zeros(len(pieces), dtype=torch.float32, device=flat.device))
+    group = dp_groups[0]
+    # every rank must take part in each step call's all-reduce: a rank without a piece of some
+    # param group (a model smaller than the ranks' alignment) would not
+    least = torch.tensor([min((len(p.starts) for p in partitions.values()), default=1)],
+                         dtype=torch.int64)
+    dev = _comm_device(least, None)
+    least = least.to(dev)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+    if int(least.item()) == 0:
+        raise RuntimeError("enable_deepspeed_zero: some rank holds no piece of a param group (the "
+                           "group is smaller than the ranks' partitions); use fewer ranks or put "
+                           "the group's params into another group")
+    inner._set_partitions(partitions)
+    inner.set_grad_norm_reducer(_PartitionReducer(partitions, group))
 
 
 # ------------------------------------------------------------------------------ DDP / FSDP2

@@ -66,6 +66,17 @@ def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
         buffer.untyped_storage(), offset, shape)
 
 
+def check_partition_options(group: dict[str, Any]) -> None:
+    """Options that a group of flat partitions (Note [flat partitions]) cannot take."""
+    if group["max_grad_norm"] is not None:
+        raise ValueError("max_grad_norm cannot clip flat partitions by the global norm "
+                         "(DeepSpeed steps each param group on its own); set DeepSpeed's "
+                         "\"gradient_clipping\" instead and max_grad_norm=None")
+    if group["state_precision"] != "full":
+        raise ValueError(f"state_precision={group['state_precision']!r} is not supported for "
+                         "flat partitions (its blocks would cross the pieces); use 'full'")
+
+
 def _guard_on(tensors) -> None:
     """Note [traced flat state]: under dynamo, make the traced step's guards cover ``tensors``
     (reading an attribute realizes each one's lazy variable, and with it the guard on its
@@ -131,6 +142,7 @@ class _TrustRatioOptimizer(Optimizer):
             raise ValueError(f"Invalid skip_nonfinite: {skip_nonfinite!r}; expected True or False")
         self.skip_nonfinite = skip_nonfinite
         self._reducer = None
+        self._partitions: dict[int, Any] = {}  # Note [flat partitions]
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
         self.state = OptimizerState(self.state)  # Note [list cache]
@@ -249,7 +261,7 @@ class _TrustRatioOptimizer(Optimizer):
         out = super().__getstate__()
         out["state"] = self.state.plain()
         out["skip_nonfinite"] = self.skip_nonfinite
-        for key in ("_cache", "_pending", "_stale", "_lock"):
+        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions"):
             out.pop(key, None)
         return out
 
@@ -268,6 +280,8 @@ class _TrustRatioOptimizer(Optimizer):
         self.__dict__.setdefault("_option_keys", tuple(self.defaults))
         self.__dict__.setdefault("skip_nonfinite", False)
         self.__dict__.setdefault("_reducer", None)
+        # kept by load_state_dict (torch's calls this), dropped by pickling (__getstate__)
+        self.__dict__.setdefault("_partitions", {})
         if "skipped_steps" not in self.__dict__:
             self.skipped_steps = torch.zeros((), dtype=torch.int64)
         self._pending = None
@@ -442,6 +456,9 @@ class _TrustRatioOptimizer(Optimizer):
             (self._pending[1] if self._pending is not None else self._stale).extend(stale)
         if sharded:
             columns = [[x if x is None else _local(x) for x in xs] for xs in columns]
+        elif self._partitions and not self._partitions.keys().isdisjoint(map(id, ps)):
+            ps, lps, lgs, columns = self._fragments(gi, group, ps, lps, lgs, columns)
+            sharded = True  # rows that stand for pieces of their sources
         params.extend(lps)
         grads.extend(lgs)
         steps.extend(columns[0])
@@ -462,6 +479,52 @@ class _TrustRatioOptimizer(Optimizer):
         return sharded, self._state_layout(
             [columns[0], *(columns[1:3] if self._kind == "lamb" else (columns[1],)),
              columns[-1] if master else [None] * len(ps)], bases)
+
+    def _fragments(self, gi: int, group: dict[str, Any], ps: list, lps: list, lgs: list,
+                   columns: list[list]) -> tuple[list, list, list, list[list]]:
+        """Note [flat partitions]: a param registered by :meth:`_set_partitions` (a flat buffer
+        of pieces of several tensors, as DeepSpeed ZeRO hands its optimizer) enters the step as
+        one row per piece: views of the param, its grad and its state over the piece, with the
+        param itself as the source of each row, so that the reducer completes each piece's sums
+        into its tensor's. Elements outside every piece (padding) are not stepped. The pieces of
+        one param share its step count: each row gets an element of a buffer of its own (a step
+        increments every row's count), the param's ``state["step"]`` being the first one."""
+        name = type(self).__name__
+        self._named(gi, check_partition_options, group)
+        out: list[list] = [[] for _ in range(3 + len(columns))]
+        for i, p in enumerate(ps):
+            row = (p, lps[i], lgs[i], *(xs[i] for xs in columns))
+            part = self._partitions.get(id(p))
+            if part is None:
+                for xs, x in zip(out, row):
+                    xs.append(x)
+                continue
+            if len(columns) > len(self._state_keys) + 1 or columns[1][i].dtype != p.dtype:
+                raise ValueError(f"{name}: param group {gi}: a flat partition takes state of its "
+                                 "own dtype and no master weights (DeepSpeed keeps the float32 "
+                                 f"masters); its params are {p.dtype}")
+            if lgs[i].shape != p.shape or not lgs[i].is_contiguous():
+                raise RuntimeError(f"{name}: param group {gi}: the grad of a flat partition must "
+                                   f"be contiguous of shape {tuple(p.shape)}")
+            step = columns[0][i]
+            if step is not part.step:  # a new state (first step, load_state_dict)
+                part.steps.copy_(step)
+                part.step = self.state[p]["step"] = _alias(part.steps, 0, ())
+            out[0].extend(repeat(p, len(part.starts)))
+            for xs, t in zip(out[1:], (lps[i], lgs[i], None, *(xs[i] for xs in columns[1:]))):
+                if t is None:
+                    xs.extend(_alias(part.steps, k, ()) for k in range(len(part.starts)))
+                else:
+                    xs.extend(t.narrow(0, s, n) for s, n in zip(part.starts, part.numels))
+        ps, lps, lgs, *columns = out
+        return ps, lps, lgs, columns
+
+    def _set_partitions(self, partitions: dict[int, Any]) -> None:
+        """Note [flat partitions]: step the params of ``partitions`` (id -> an object with
+        ``starts``, ``numels``, ``steps`` (a float32 buffer of one element per piece on the
+        param's device) and ``step``) piece by piece."""
+        self._partitions = partitions
+        self._fresh()
 
     def _state_layout(self, columns: list[list], bases: list) -> tuple:
         """Note [traced flat state]: the flat state (Note [flat state]) is tensors that share a

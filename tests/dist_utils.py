@@ -44,19 +44,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(out_dir: str, backends: list[str], timeout: float = 300.0, only: str = "") -> list[dict]:
-    """Start WORLD worker processes, wait for them, return each rank's results (raises on failure).
-    ``only``: comma-separated scenario-name prefixes to run (default all; for debugging)."""
+def run_job(out_dir: str, backends: list[str], timeout: float = 300.0, only: str = "",
+            script: str = "dist_utils.py", env_extra: dict | None = None) -> list[dict]:
+    """Start WORLD worker processes of ``script`` (in tests/), wait for them, return each rank's
+    results (raises on failure). ``only``: comma-separated scenario-name prefixes to run (default
+    all; for debugging)."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}),
                PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
     last_err = ""
     for _attempt in range(2):  # a free port can be taken between the probe and the bind
         port = free_port()
         procs = [
             subprocess.Popen(
-                [sys.executable, os.path.join(here, "dist_utils.py"), str(r), str(WORLD), str(port),
+                [sys.executable, os.path.join(here, script), str(r), str(WORLD), str(port),
                  out_dir, ",".join(backends), only],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
@@ -597,19 +599,26 @@ def scenarios(backends: list[str]):
     return out
 
 
-def main(argv):
+def main(argv, scenarios_of=None, context=None):
+    """One worker: join the gloo group, run the scenarios of ``scenarios_of(backends)`` (default:
+    this module's) with the context ``context(rank, world, out_dir)`` makes, and write the
+    results."""
     rank, world, port, out_dir, backends = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
     only = tuple(x for x in (argv[5] if len(argv) > 5 else "").split(",") if x)
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
-    ctx = {"rank": rank, "mesh": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))}
+    if context is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ctx = {"rank": rank, "mesh": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))}
+    else:
+        ctx = context(rank, world, out_dir)
     results = {}
     try:
-        for name, fn, args in scenarios([b for b in backends.split(",") if b]):
+        for name, fn, args in (scenarios_of or scenarios)([b for b in backends.split(",") if b]):
             if only and not name.startswith(only):
                 continue
             t0 = time.perf_counter()

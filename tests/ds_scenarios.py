@@ -1,0 +1,266 @@
+"""Scenarios of tests/test_deepspeed.py: fusedopt optimizers under DeepSpeed ZeRO, 2 gloo ranks on CPU.
+
+Started by ``dist_utils.run_job(..., script="ds_scenarios.py")`` (one process per rank). Each
+DeepSpeed run trains the same model on the same global batch as one process does with the same
+fusedopt optimizer (inside each worker, on full tensors), and reports how far apart they are.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+import dist_utils
+
+STEPS = 4
+GLOBAL_BATCH = 8
+KINDS = {
+    "lamb": dict(lr=1e-2, eps=1e-6, weight_decay=0.01),
+    "lars": dict(lr=1.0, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01),
+}
+
+
+def make_model() -> torch.nn.Module:
+    """Two ZeRO partitions per rank: the weights (768 + 3072 + 240 elements: the second weight is
+    cut between the ranks) and the 1-D params (biases and a LayerNorm, 245 elements, also cut)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 64), torch.nn.LayerNorm(64), torch.nn.Tanh(),
+        torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 5),
+    )
+
+
+def batch(step: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(GLOBAL_BATCH, 12, generator=g).to(dtype), torch.randint(0, 5, (GLOBAL_BATCH,),
+                                                                                 generator=g)
+
+
+def make_opt(kind: str, model: torch.nn.Module, backend: str, **extra):
+    """Weights with weight decay and trust ratio; biases and norms without (two param groups)."""
+    import fusedopt
+
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opts = {**KINDS[kind], **extra}
+    groups = fusedopt.param_groups(model, weight_decay=opts.pop("weight_decay"))
+    return cls(groups, backend=backend, **opts)
+
+
+def config(stage: int, gas: int = 1, bf16: bool = False, offload: bool = False) -> dict:
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "gradient_accumulation_steps": gas,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dist_utils.WORLD * gas),
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1.0
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    return cfg
+
+
+def engine_for(kind, backend, cfg, enable=True, **opt_extra):
+    import deepspeed
+
+    import fusedopt.distributed
+
+    model = make_model()
+    if cfg.get("bf16", {}).get("enabled"):
+        model = model.to(torch.bfloat16)
+    opt = make_opt(kind, model, backend, **opt_extra)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    if enable:
+        fusedopt.distributed.enable_deepspeed_zero(engine)
+    return engine, opt
+
+
+def train(ctx, engine, steps, first=0):
+    rank, gas = ctx["rank"], engine.gradient_accumulation_steps()
+    micro = GLOBAL_BATCH // (dist_utils.WORLD * gas)
+    for step in range(first, first + steps):
+        x, y = batch(step)
+        # rank r's micro-batches: one contiguous slice of the global batch each
+        xs, ys = x.view(dist_utils.WORLD, gas, micro, -1)[rank], y.view(dist_utils.WORLD, gas, micro)[rank]
+        for k in range(gas):
+            loss = torch.nn.functional.cross_entropy(engine(xs[k]), ys[k])
+            engine.backward(loss)
+            engine.step()
+
+
+def reference(kind, backend, steps):
+    """The same training in one process: full global batch, the mean loss."""
+    model = make_model()
+    init = [p.detach().clone() for p in model.parameters()]
+    opt = make_opt(kind, model, backend)
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return init, [p.detach() for p in model.parameters()]
+
+
+def apart(init, ref, got) -> float:
+    """max over tensors of max|got - ref| / max|ref - init| (the distance in units of the
+    largest change the steps made to that tensor)."""
+    return max(float((g.detach().float() - r).abs().max() / (r - i).abs().max())
+               for i, r, g in zip(init, ref, got))
+
+
+def matches(ctx, kind, backend, stage, gas=1, offload=False, disabled_too=True):
+    init, ref = reference(kind, backend, STEPS)
+    out = {}
+    for enable in (True, False) if disabled_too else (True,):
+        engine, _ = engine_for(kind, backend, config(stage, gas, offload=offload), enable=enable)
+        train(ctx, engine, STEPS)
+        out["enabled" if enable else "disabled"] = apart(init, ref, engine.module.parameters())
+    return out
+
+
+def same_grads(ctx, kind, backend, stage, bf16=True):
+    """Mixed precision: DeepSpeed keeps float32 masters of the bf16 model and averages float32
+    grads of per-rank bf16 backward passes, which one process on the whole batch does not
+    reproduce. So the reference here is one process stepping float32 copies of the masters with
+    DeepSpeed's own full gradients (read after each backward): the masters must agree within
+    float32 rounding."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    out = {}
+    for enable in (True, False):
+        engine, _ = engine_for(kind, backend, config(stage, bf16=bf16), enable=enable)
+        params = list(engine.module.parameters())
+        ref_model = make_model()
+        with torch.no_grad():
+            for q, p in zip(ref_model.parameters(), params):
+                q.copy_(safe_get_full_fp32_param(p))
+        init = [q.detach().clone() for q in ref_model.parameters()]
+        ref_opt = make_opt(kind, ref_model, backend)
+        worst = 0.0
+        for step in range(STEPS):
+            x, y = batch(step, torch.bfloat16 if bf16 else torch.float32)
+            micro = GLOBAL_BATCH // dist_utils.WORLD
+            sl = slice(ctx["rank"] * micro, (ctx["rank"] + 1) * micro)
+            engine.backward(torch.nn.functional.cross_entropy(engine(x[sl]).float(), y[sl]))
+            for q, p in zip(ref_model.parameters(), params):
+                q.grad = safe_get_full_grad(p).float()
+            engine.step()
+            ref_opt.step()
+            worst = max(worst, apart(init, [q.detach() for q in ref_model.parameters()],
+                                     [safe_get_full_fp32_param(p) for p in params]))
+        out["enabled" if enable else "disabled"] = worst
+    return out
+
+
+def doc_block(ctx):
+    """The python block of docs/distributed.md's DeepSpeed section, as written, given a model, a
+    loader of this rank's micro-batches (bf16 inputs: the block turns bf16 on) and a loss."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "distributed.md")) as f:
+        section = f.read().split("## DeepSpeed ZeRO\n", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    micro = GLOBAL_BATCH // dist_utils.WORLD
+    sl = slice(ctx["rank"] * micro, (ctx["rank"] + 1) * micro)
+    loader = [(x[sl], y[sl]) for x, y in (batch(step, torch.bfloat16) for step in range(3))]
+    ns = {"model": make_model(), "loader": loader,
+          "loss_fn": lambda out, y: torch.nn.functional.cross_entropy(out.float(), y)}
+    exec(compile(code, "docs/distributed.md, DeepSpeed block", "exec"), ns)
+    return {"steps": ns["engine"].global_steps, "partitions": len(ns["opt"]._partitions)}
+
+
+def resume(ctx, kind, backend, stage, enable_after_load=False):
+    """Save after 2 steps, train 2 more; a fresh engine loads the checkpoint and trains the same
+    2: the params and the optimizer state must be equal bit for bit."""
+    path = os.path.join(ctx["out_dir"], f"ckpt-{kind}-{backend}-{stage}")
+    cfg = config(stage)
+    a, opt_a = engine_for(kind, backend, cfg)
+    train(ctx, a, 2)
+    a.save_checkpoint(path, tag="t")
+    train(ctx, a, 2, first=2)
+    b, opt_b = engine_for(kind, backend, cfg, enable=not enable_after_load)
+    b.load_checkpoint(path, tag="t")
+    if enable_after_load:
+        import fusedopt.distributed
+
+        fusedopt.distributed.enable_deepspeed_zero(b)
+    train(ctx, b, 2, first=2)
+    params = max(float((p - q).abs().max()) for p, q in zip(a.module.parameters(), b.module.parameters()))
+    state = 0.0
+    for ga, gb in zip(opt_a.param_groups, opt_b.param_groups):
+        sa, sb = opt_a.state[ga["params"][0]], opt_b.state[gb["params"][0]]
+        state = max([state, *(float((sa[k] - sb[k]).abs().max()) for k in sa)])
+    steps = [float(opt_b.state[g["params"][0]]["step"]) for g in opt_b.param_groups]
+    return {"params": params, "state": state, "steps": steps}
+
+
+def refusals(ctx, backend):
+    """What enable_deepspeed_zero and a step refuse, and that a refused step changes nothing."""
+    import deepspeed
+
+    import fusedopt.distributed
+
+    out = {}
+    for name, extra in (("max_grad_norm", dict(max_grad_norm=1.0)),
+                        ("state_precision", dict(state_precision="bf16", state_min_numel=0))):
+        try:
+            engine_for("lamb", backend, config(2), **extra)
+            out[name] = "accepted"
+        except (ValueError, RuntimeError, TypeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    engine, opt = engine_for("lamb", backend, config(2))
+    train(ctx, engine, 1)
+    before = [(g["params"][0].clone(), {k: v.clone() for k, v in opt.state[g["params"][0]].items()})
+              for g in opt.param_groups]
+    opt.param_groups[0]["max_grad_norm"] = 1.0
+    try:
+        train(ctx, engine, 1, first=1)
+        out["late_max_grad_norm"] = "accepted"
+    except ValueError as e:
+        out["late_max_grad_norm"] = f"ValueError: {e}"
+    out["unchanged"] = all(
+        torch.equal(p, g["params"][0]) and all(torch.equal(v, opt.state[g["params"][0]][k])
+                                              for k, v in st.items())
+        for (p, st), g in zip(before, opt.param_groups))
+    model = make_model()
+    engine3, _, _, _ = deepspeed.initialize(model=model, optimizer=make_opt("lamb", model, backend),
+                                            config=config(3))
+    try:
+        fusedopt.distributed.enable_deepspeed_zero(engine3)
+        out["stage3"] = "accepted"
+    except (ValueError, RuntimeError, TypeError) as e:
+        out["stage3"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def scenarios(backends):
+    out = []
+    for be in backends:
+        for kind in KINDS:
+            for stage in (1, 2):
+                out.append((f"zero{stage}-{kind}-{be}", matches, (kind, be, stage)))
+        out.append((f"gas-{be}", matches, ("lamb", be, 2, 2, False, False)))
+        out.append((f"resume-lamb-{be}", resume, ("lamb", be, 2)))
+        out.append((f"refusals-{be}", refusals, (be,)))
+    be = backends[0]
+    for stage in (1, 2):
+        out.append((f"bf16-zero{stage}-{be}", same_grads, ("lamb", be, stage)))
+    out.append((f"offload-{be}", matches, ("lamb", be, 2, 1, True, False)))
+    out.append((f"resume-lars-{be}", resume, ("lars", be, 1, True)))
+    out.append(("doc-block", doc_block, ()))
+    return out
+
+
+def context(rank, world, out_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed  # noqa: F401 - joins the process group made by dist_utils.main
+
+    return {"rank": rank, "out_dir": out_dir}
+
+
+if __name__ == "__main__":
+    dist_utils.main(sys.argv[1:], scenarios, context)
