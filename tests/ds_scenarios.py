@@ -49,6 +49,7 @@ def make_opt(kind: str, model: torch.nn.Module, backend: str, **extra):
 
 
 def config(stage: int, gas: int = 1, bf16: bool = False, offload: bool = False) -> dict:
+    """fp16 is not here: DeepSpeed's CPU accelerator refuses it ("Type fp16 is not supported")."""
     cfg = {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": gas,
@@ -71,7 +72,7 @@ def engine_for(kind, backend, cfg, enable=True, **opt_extra):
     import fusedopt.distributed
 
     model = make_model()
-    if cfg.get("bf16", {}).get("enabled"):
+    if "bf16" in cfg:
         model = model.to(torch.bfloat16)
     opt = make_opt(kind, model, backend, **opt_extra)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
@@ -117,13 +118,24 @@ def matches(ctx, kind, backend, stage, gas=1, offload=False, disabled_too=True):
     init, ref = reference(kind, backend, STEPS)
     out = {}
     for enable in (True, False) if disabled_too else (True,):
-        engine, _ = engine_for(kind, backend, config(stage, gas, offload=offload), enable=enable)
+        engine, opt = engine_for(kind, backend, config(stage, gas, offload=offload), enable=enable)
+        calls = []  # the gloo collectives of each call of the fusedopt optimizer's step
+        step = opt.step
+
+        def counted(*args, **kwargs):
+            box = []
+            calls.append(dist_utils.count_collectives(lambda: box.append(step(*args, **kwargs))))
+            return box[0]
+
+        opt.step = counted
         train(ctx, engine, STEPS)
         out["enabled" if enable else "disabled"] = apart(init, ref, engine.module.parameters())
+        if enable:
+            out["collectives"] = [dict(c) for c in calls]
     return out
 
 
-def same_grads(ctx, kind, backend, stage, bf16=True):
+def same_grads(ctx, kind, backend, stage):
     """Mixed precision: DeepSpeed keeps float32 masters of the bf16 model and averages float32
     grads of per-rank bf16 backward passes, which one process on the whole batch does not
     reproduce. So the reference here is one process stepping float32 copies of the masters with
@@ -133,7 +145,7 @@ def same_grads(ctx, kind, backend, stage, bf16=True):
 
     out = {}
     for enable in (True, False):
-        engine, _ = engine_for(kind, backend, config(stage, bf16=bf16), enable=enable)
+        engine, _ = engine_for(kind, backend, config(stage, bf16=True), enable=enable)
         params = list(engine.module.parameters())
         ref_model = make_model()
         with torch.no_grad():
@@ -143,7 +155,7 @@ def same_grads(ctx, kind, backend, stage, bf16=True):
         ref_opt = make_opt(kind, ref_model, backend)
         worst = 0.0
         for step in range(STEPS):
-            x, y = batch(step, torch.bfloat16 if bf16 else torch.float32)
+            x, y = batch(step, torch.bfloat16)
             micro = GLOBAL_BATCH // dist_utils.WORLD
             sl = slice(ctx["rank"] * micro, (ctx["rank"] + 1) * micro)
             engine.backward(torch.nn.functional.cross_entropy(engine(x[sl]).float(), y[sl]))
@@ -155,6 +167,25 @@ def same_grads(ctx, kind, backend, stage, bf16=True):
                                      [safe_get_full_fp32_param(p) for p in params]))
         out["enabled" if enable else "disabled"] = worst
     return out
+
+
+def skip_nonfinite(ctx, backend):
+    """skip_nonfinite=True (its gradient total all-reduced at every step call), then a NaN loss
+    on rank 1 only: DeepSpeed's own overflow check (on by default, also in float32) skips that
+    step on every rank before the optimizer runs."""
+    engine, opt = engine_for("lamb", backend, config(2), skip_nonfinite=True)
+    first = [g["params"][0].clone() for g in opt.param_groups]
+    train(ctx, engine, 1)
+    before = [g["params"][0].clone() for g in opt.param_groups]
+    stepped = not any(torch.equal(a, b) for a, b in zip(first, before))
+    x, y = batch(1)
+    micro = GLOBAL_BATCH // dist_utils.WORLD
+    sl = slice(ctx["rank"] * micro, (ctx["rank"] + 1) * micro)
+    loss = torch.nn.functional.cross_entropy(engine(x[sl]), y[sl])
+    engine.backward(loss * float("nan") if ctx["rank"] == 1 else loss)
+    engine.step()
+    unchanged = all(torch.equal(b, g["params"][0]) for b, g in zip(before, opt.param_groups))
+    return {"stepped": stepped, "skipped": int(opt.skipped_steps), "unchanged": unchanged}
 
 
 def doc_block(ctx):
@@ -252,6 +283,7 @@ def scenarios(backends):
     out.append((f"offload-{be}", matches, ("lamb", be, 2, 1, True, False)))
     out.append((f"resume-lars-{be}", resume, ("lars", be, 1, True)))
     out.append(("doc-block", doc_block, ()))
+    out.append((f"skip-nonfinite-{be}", skip_nonfinite, (be,)))
     return out
 
 

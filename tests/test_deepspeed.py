@@ -61,6 +61,8 @@ def test_zero_matches_one_process(job, backend, kind, stage):
     for r in results(job, f"zero{stage}-{kind}-{backend}"):
         assert r["enabled"] < REL, r
         assert r["disabled"] > 100 * REL, r
+        # DeepSpeed calls step() once per param group (2 groups, 4 steps): one all-reduce each
+        assert r["collectives"] == [{"gloo:all_reduce": 1}] * (2 * ds_scenarios.STEPS), r
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -92,6 +94,14 @@ def test_checkpoint_resumes_bit_for_bit(job, name):
     for r in results(job, name):
         assert r["params"] == 0.0 and r["state"] == 0.0, r
         assert r["steps"] == [4.0, 4.0], r
+
+
+def test_nonfinite_gradients(job):
+    """skip_nonfinite steps normally under ZeRO; a NaN gradient on one rank is skipped on every
+    rank by DeepSpeed's own overflow check before the optimizer runs (so skip_nonfinite never
+    counts it)."""
+    for r in results(job, f"skip-nonfinite-{BACKENDS[0]}"):
+        assert r == {**r, "stepped": True, "skipped": 0, "unchanged": True}, r
 
 
 def test_the_page_code_runs_as_written(job):
