@@ -448,7 +448,7 @@ def enable_deepspeed_zero(engine) -> None:
     DeepSpeed steps each param group on its own, so no step sees the global norm). With ZeRO
     stage 0 (no partition) there is nothing to do. Raises naming what is not supported:
     ZeRO-3, low-precision optimizer state, param groups on different data-parallel groups,
-    ranks that hold no piece of some param group.
+    ranks that hold no piece of some param group, elastic checkpoints.
     """
     wrapper = getattr(engine, "optimizer", engine)
     if hasattr(wrapper, "_set_partitions"):
@@ -469,6 +469,12 @@ def enable_deepspeed_zero(engine) -> None:
     if lp_groups is None or dp_groups is None or len(lp_groups) != len(inner.param_groups):
         raise TypeError(f"enable_deepspeed_zero: {kind} is not a DeepSpeed ZeRO stage 1/2 or "
                         "BF16 optimizer (no bit16 param groups and data-parallel groups)")
+    if getattr(wrapper, "elastic_checkpoint", False):
+        raise RuntimeError(
+            "enable_deepspeed_zero: zero_optimization.elastic_checkpoint is not supported: "
+            "DeepSpeed loads an elastic checkpoint only with a param-group 'step', which "
+            "torch-style optimizers (fusedopt's, torch.optim's) keep per param instead; leave it "
+            "false (the default)")
     if len({id(g) for g in dp_groups}) != 1:
         raise RuntimeError("enable_deepspeed_zero: param groups on different data-parallel groups "
                            "(MoE expert groups) are not supported")

@@ -488,7 +488,8 @@ class _TrustRatioOptimizer(Optimizer):
         param itself as the source of each row, so that the reducer completes each piece's sums
         into its tensor's. Elements outside every piece (padding) are not stepped. The pieces of
         one param share its step count: each row gets an element of a buffer of its own (a step
-        increments every row's count), the param's ``state["step"]`` being the first one."""
+        increments every row's count), the param's ``state["step"]`` being the first one, which
+        the others copy before each step (a checkpoint loader may set it in place)."""
         name = type(self).__name__
         self._named(gi, check_partition_options, group)
         out: list[list] = [[] for _ in range(3 + len(columns))]
@@ -510,6 +511,8 @@ class _TrustRatioOptimizer(Optimizer):
             if step is not part.step:  # a new state (first step, load_state_dict)
                 part.steps.copy_(step)
                 part.step = self.state[p]["step"] = _alias(part.steps, 0, ())
+            elif len(part.starts) > 1:  # the count as state["step"] holds it, also if set in place
+                part.steps[1:].copy_(part.steps[:1].expand(len(part.starts) - 1))
             out[0].extend(repeat(p, len(part.starts)))
             for xs, t in zip(out[1:], (lps[i], lgs[i], None, *(xs[i] for xs in columns[1:]))):
                 if t is None:

@@ -257,6 +257,13 @@ def refusals(ctx, backend):
         torch.equal(p, g["params"][0]) and all(torch.equal(v, opt.state[g["params"][0]][k])
                                               for k, v in st.items())
         for (p, st), g in zip(before, opt.param_groups))
+    cfg = config(2)
+    cfg["zero_optimization"]["elastic_checkpoint"] = True
+    try:
+        engine_for("lamb", backend, cfg)
+        out["elastic_checkpoint"] = "accepted"
+    except (ValueError, RuntimeError, TypeError) as e:
+        out["elastic_checkpoint"] = f"{type(e).__name__}: {e}"
     model = make_model()
     engine3, _, _, _ = deepspeed.initialize(model=model, optimizer=make_opt("lamb", model, backend),
                                             config=config(3))

@@ -8,9 +8,13 @@ far off: the comparison can see a wrong trust ratio.
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
+import math
+import types
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import dist_utils
@@ -23,18 +27,17 @@ from fusedopt.distributed import enable_deepspeed_zero
 # 4e-5 with accumulation; a per-partition trust ratio gives 0.65 and more)
 REL = 2e-4
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="deepspeed is not installed (requirements-dev.txt pins it)"),
-    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                       reason="torch.distributed with the gloo backend is not available"),
-]
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with the gloo backend is not available")
+
 # the fused CPU backend where it is built, and the eager one (always there)
 BACKENDS = [b for b in ("cpp", "eager") if b in fusedopt.available_backends()]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (requirements-dev.txt pins it)")
     return dist_utils.run_job(str(tmp_path_factory.mktemp("deepspeed")), BACKENDS,
                               script="ds_scenarios.py",
                               env_extra={"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1"})
@@ -119,15 +122,119 @@ def test_refusals(job, backend):
         assert r["late_max_grad_norm"].startswith("ValueError"), r
         assert r["unchanged"] is True
         assert r["stage3"].startswith("RuntimeError") and "stage 3" in r["stage3"]
+        assert r["elastic_checkpoint"].startswith("RuntimeError"), r
+        assert "elastic_checkpoint" in r["elastic_checkpoint"]
 
 
 def test_errors_without_deepspeed():
     """A fusedopt optimizer handed directly is ZeRO stage 0 (nothing to do); other objects are
     refused by name."""
-    import torch
-
     opt = fusedopt.FusedLAMB([torch.nn.Parameter(torch.ones(3))])
     enable_deepspeed_zero(opt)  # stage 0: whole tensors, nothing to map
     assert opt._partitions == {}
     with pytest.raises(TypeError, match="client optimizer"):
         enable_deepspeed_zero(torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1))
+
+
+# --------------------------------------------------------------- one process, no DeepSpeed
+class _Mapping:
+    """What DeepSpeed records on each param (``_hp_mapping``): where its piece lies."""
+
+    def __init__(self, start, numel):
+        self.address = types.SimpleNamespace(start=start, numel=numel)
+
+    def get_hp_fragment_address(self):
+        return self.address
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+SHAPES = [(5, 4), (7,), (3, 3)]  # 36 elements, laid out in a flat buffer of 40 (4 of padding)
+
+
+def _flat_setup(backend, kind="lamb", **opts):
+    """A fused optimizer over one flat buffer of the SHAPES (as ZeRO hands it) and one over the
+    same tensors apart; the flat one is registered through a stand-in for DeepSpeed's wrapper."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=gen) for s in SHAPES]
+    flat = torch.nn.Parameter(torch.cat([t.reshape(-1) for t in tensors] + [torch.full((4,), 7.0)]))
+    apart = [torch.nn.Parameter(t.clone()) for t in tensors]
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opts = {"lr": 0.1, "weight_decay": 0.01, "backend": backend, **opts}
+    opt_flat, opt_apart = cls([flat], **opts), cls(apart, **opts)
+    starts = [0, 20, 27]
+    lps = [types.SimpleNamespace(_hp_mapping=_Mapping(s, math.prod(sh))) for s, sh in zip(starts, SHAPES)]
+    wrapper = types.SimpleNamespace(optimizer=opt_flat, bit16_groups=[lps],
+                                    real_dp_process_group=[dist.group.WORLD])
+    enable_deepspeed_zero(types.SimpleNamespace(optimizer=wrapper))  # as an engine holds it
+    return flat, apart, opt_flat, opt_apart, gen
+
+
+def _grads(flat, apart, gen):
+    gs = [torch.randn(p.shape, generator=gen) for p in apart]
+    for p, g in zip(apart, gs):
+        p.grad = g
+    flat.grad = torch.cat([g.reshape(-1) for g in gs] + [torch.full((4,), float("nan"))])
+
+
+def _pieces(flat):
+    out, at = [], 0
+    for s in SHAPES:
+        n = math.prod(s)
+        out.append(flat.detach()[at:at + n].view(s))
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flat_partition_steps_each_tensor(world_of_one, backend, kind):
+    """Each piece of a flat partition is stepped as its own tensor (its own trust ratio), bit for
+    bit as the tensors apart; the padding (NaN grads there) is not touched; a step count set in
+    place (as DeepSpeed's loaders copy state) holds for every piece; a state dict round trip
+    continues bit for bit."""
+    flat, apart, opt_flat, opt_apart, gen = _flat_setup(backend, kind)
+    for step in range(4):
+        _grads(flat, apart, gen)
+        opt_flat.step()
+        opt_apart.step()
+        if step == 1:
+            for st in (opt_flat.state[flat], *(opt_apart.state[p] for p in apart)):
+                st["step"].fill_(0.0)  # in place: every piece must take it
+        for got, want in zip(_pieces(flat), apart):
+            assert torch.equal(got, want.detach()), (step, (got - want).abs().max())
+        assert torch.equal(flat.detach()[36:], torch.full((4,), 7.0))
+    sd = copy.deepcopy(opt_flat.state_dict())  # load_state_dict would share its tensors
+    flat2, _, opt2, _, _ = _flat_setup(backend, kind)
+    with torch.no_grad():
+        flat2.copy_(flat)
+    opt2.load_state_dict(sd)
+    g = torch.Generator().manual_seed(5)
+    _grads(flat, apart, g)
+    flat2.grad = flat.grad.clone()
+    opt_flat.step()
+    opt2.step()
+    assert torch.equal(flat, flat2)
+    assert float(opt2.state[flat2]["step"]) == float(opt_flat.state[flat]["step"]) == 3.0
+
+
+def test_flat_partition_refuses_options(world_of_one):
+    """Options a flat partition cannot take, at the call and at a later step (nothing changed)."""
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        _flat_setup("eager", max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="state_precision"):
+        _flat_setup("eager", state_precision="8bit", state_min_numel=0)
+    flat, apart, opt, _, gen = _flat_setup("eager")
+    _grads(flat, apart, gen)
+    opt.step()
+    before = flat.detach().clone(), {k: v.clone() for k, v in opt.state[flat].items()}
+    opt.param_groups[0]["max_grad_norm"] = 1.0
+    with pytest.raises(ValueError, match="param group 0: max_grad_norm"):
+        opt.step()
+    assert torch.equal(flat, before[0])
+    assert all(torch.equal(v, opt.state[flat][k]) for k, v in before[1].items())
