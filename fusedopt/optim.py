@@ -650,7 +650,10 @@ class _TrustRatioOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():
-            self._step()
+            if self._partitions:  # Note [flat partitions]: rows made per step, run eagerly
+                _step_outside_dynamo(self, None)
+            else:
+                self._step()
             return loss
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(

@@ -192,7 +192,8 @@ def _pieces(flat):
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("triton", marks=pytest.mark.skipif(
+    "triton" not in fusedopt.available_backends(), reason="triton is not available here"))])
 def test_flat_partition_steps_each_tensor(world_of_one, backend, kind):
     """Each piece of a flat partition is stepped as its own tensor (its own trust ratio), bit for
     bit as the tensors apart; the padding (NaN grads there) is not touched; a step count set in
@@ -221,6 +222,20 @@ def test_flat_partition_steps_each_tensor(world_of_one, backend, kind):
     opt2.step()
     assert torch.equal(flat, flat2)
     assert float(opt2.state[flat2]["step"]) == float(opt_flat.state[flat]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flat_partition_compiled_step(world_of_one, backend):
+    """Under torch.compile a step over flat partitions runs eagerly (a graph break: its rows are
+    made at every step), with the same bits."""
+    flat, apart, opt_flat, opt_apart, gen = _flat_setup(backend)
+    step = torch.compile(opt_flat.step)
+    for _ in range(3):
+        _grads(flat, apart, gen)
+        step()
+        opt_apart.step()
+        for got, want in zip(_pieces(flat), apart):
+            assert torch.equal(got, want.detach())
 
 
 def test_flat_partition_refuses_options(world_of_one):
