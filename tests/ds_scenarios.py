@@ -287,7 +287,8 @@ def scenarios(backends):
     be = backends[0]
     for stage in (1, 2):
         out.append((f"bf16-zero{stage}-{be}", same_grads, ("lamb", be, stage)))
-    out.append((f"offload-{be}", matches, ("lamb", be, 2, 1, True, False)))
+    for stage in (1, 2):
+        out.append((f"offload-zero{stage}-{be}", matches, ("lamb", be, stage, 1, True, False)))
     out.append((f"resume-lars-{be}", resume, ("lars", be, 1, True)))
     out.append(("doc-block", doc_block, ()))
     out.append((f"skip-nonfinite-{be}", skip_nonfinite, (be,)))

@@ -74,9 +74,10 @@ def test_gradient_accumulation(job, backend):
         assert r["enabled"] < REL, r
 
 
-def test_offload_optimizer_to_cpu(job):
-    """ZeRO-2 with offload_optimizer: cpu (the optimizer steps CPU partitions)."""
-    for r in results(job, f"offload-{BACKENDS[0]}"):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_optimizer_to_cpu(job, stage):
+    """offload_optimizer: cpu (the optimizer steps CPU partitions)."""
+    for r in results(job, f"offload-zero{stage}-{BACKENDS[0]}"):
         assert r["enabled"] < REL, r
 
 
