@@ -35,6 +35,9 @@ The machinery
 * :func:`two_group_optimizer`, :func:`snapshot`, :func:`changed`: what the bad-input rows build on
   and how a refused call is seen to have changed nothing (params, grads, every state entry, bit
   for bit).
+* :func:`case_inputs`, :func:`case_reference`, :func:`run_reference_steps`,
+  :func:`misaligned_like`, :func:`state_tensors`, :func:`bit_mismatches`: what the self-check's
+  protocol rows (misaligned and large tensors, GradScaler, a tensor lr) build on.
 """
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ __all__ = [
     "CaseResult", "RunCache", "judge", "run_case", "one_line",
     "Trial", "BadInput", "BAD_INPUTS", "BAD_OPTIONS", "two_group_optimizer", "snapshot",
     "changed", "unchanged",
+    "case_inputs", "case_reference", "run_reference_steps", "misaligned_like", "state_tensors",
+    "bit_mismatches",
 ]
 
 # ----------------------------------------------------------------------------------- kinds
@@ -1080,3 +1085,94 @@ BAD_INPUTS = (
     BadInput("constructed:denominator='max'", _constructed(denominator="max"), ValueError,
              r"Invalid denominator: 'max'", ("lars",)),
 )
+
+
+# ------------------------------------------------------------------------ protocol helpers
+# What the protocol rows of ``python -m fusedopt check`` (fusedopt/tools/check.py) build on:
+# inputs and references shared with run_case, misaligned placement, bitwise comparison.
+
+def case_inputs(cache: RunCache, cs: CaseSet, dtype: DtypeCase) -> Inputs:
+    """The inputs :func:`run_case` steps for ``cs`` and ``dtype`` (the same cache entry)."""
+    return _inputs(cache, cs, dtype)
+
+
+def case_reference(cache: RunCache, cs: CaseSet, case: OptionCase, dtype: DtypeCase) -> list:
+    """The float64 reference weights :func:`run_case` judges ``case`` by (the same cache entry:
+    the key and the call are run_case's)."""
+    inputs = _inputs(cache, cs, dtype)
+    return cache.get("reference", (cs, case, dtype.param, dtype.grad),
+                     lambda: run_reference(case.kind, case.options, inputs, excluded=cs.excluded))
+
+
+def run_reference_steps(kind: str, options: dict, inputs: Inputs, *, excluded=(), lrs=None,
+                        device="cpu") -> list[torch.Tensor]:
+    """:func:`run_reference` with the learning rate of each step given (``lrs``: one per step of
+    ``inputs``; None: :data:`LR` throughout) and the float64 weights on ``device``."""
+    steps = inputs.steps
+    lrs = [LR[kind]] * steps if lrs is None else list(lrs)
+    if len(lrs) != steps:
+        raise ValueError(f"lrs holds {len(lrs)} learning rates for {steps} steps")
+    groups = _group_indices(len(inputs.init), excluded)
+    ref = REFERENCES[kind]([{**options, "lr": lrs[0], **(EXCLUDED_OPTIONS if gi else {})}
+                            for gi in range(len(groups))])
+    weights = [t.to(device, torch.float64, copy=True) for t in inputs.init]
+    for lr, gs in zip(lrs, inputs.grads):
+        for h in ref.groups:
+            h["lr"] = lr
+        gs = [g.to(device) for g in gs]
+        ref.step([[weights[i] for i in idx] for idx in groups],
+                 [[gs[i] for i in idx] for idx in groups])
+    return weights
+
+
+def misaligned_like(t: torch.Tensor, offset: int = 1) -> torch.Tensor:
+    """A contiguous tensor equal to ``t`` (shape, dtype, device, values) that starts ``offset``
+    elements into an allocation of its own, as a slice of a larger buffer does: a view whose data
+    pointer is not a multiple of 16 bytes. torch's allocators return blocks aligned to at least
+    64 bytes, so any ``offset`` whose bytes are not a multiple of 16 misaligns it (ValueError for
+    one that is; RuntimeError if an allocation was not 16-byte aligned after all)."""
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
+        raise ValueError(f"offset must be an int >= 1, got {offset!r}")
+    if offset * t.element_size() % 16 == 0:
+        raise ValueError(f"an offset of {offset} {t.dtype} elements is a multiple of 16 bytes: "
+                         "the view would be aligned")
+    base = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    out = base[offset:].view(t.shape)
+    out.copy_(t.detach())
+    if t.numel() and out.data_ptr() % 16 == 0:
+        raise RuntimeError(f"a {t.dtype} view {offset} elements into an allocation is 16-byte "
+                           f"aligned on {t.device}: the allocation was not")
+    return out
+
+
+def state_tensors(opt, params) -> list[tuple[str, torch.Tensor]]:
+    """``(label, tensor)`` of every state tensor of ``params`` in ``opt``, in param order and by
+    key (what a bitwise comparison of two runs compares besides the params)."""
+    out = []
+    for i, p in enumerate(params):
+        st = opt.state.get(p) or {}
+        out += [(f"param {i} state {k!r}", st[k]) for k in sorted(st)
+                if isinstance(st[k], torch.Tensor)]
+    return out
+
+
+_SAME_SIZE_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def bit_mismatches(xs, ys) -> int:
+    """How many elements of the tensors ``xs`` differ in their bits from those of ``ys`` (pairwise;
+    a pair of another shape or dtype counts every element of the larger, a missing partner every
+    element): 0 is bit for bit, NaNs and signed zeros included."""
+    xs, ys = list(xs), list(ys)
+    count = sum(t.numel() for t in xs[len(ys):]) + sum(t.numel() for t in ys[len(xs):])
+    for x, y in zip(xs, ys):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            count += max(x.numel(), y.numel())
+            continue
+        if x.numel() == 0:
+            continue
+        as_int = _SAME_SIZE_INT[x.element_size()]
+        a = x.detach().cpu().contiguous().reshape(-1).view(as_int)
+        b = y.detach().cpu().contiguous().reshape(-1).view(as_int)
+        count += int((a != b).sum())
+    return count

@@ -17,7 +17,7 @@ Steps, each in a process of its own with a time limit, in this order:
    on every device, then the speed table), its rows read from ``--json``; a failed row names
    the device, backend, optimizer, dtype and case;
 4. ``benchmark``: ``bench/bench_triton_gpu.py --json`` (triton, cuda and eager step times and
-   GB/s beside a device-to-device copy).
+   GB/s beside torch's fused AdamW and a device-to-device copy, in interleaved rounds).
 
 It writes ``report.json`` and ``report.md`` into the output folder (default ``gpu_verify/``),
 with each step's status (passed, failed, skipped, error, timeout), its reason, its time, its
