@@ -61,6 +61,7 @@ import fusedopt
 from fusedopt import backends as _backends
 from fusedopt import testing
 from fusedopt.testing import one_line as _one_line
+from fusedopt.tools.common import torch_threads
 
 # --------------------------------------------------------------------------------- the cases
 # The cases, the rules and their tolerances are fusedopt.testing's (what the test suite runs):
@@ -527,16 +528,6 @@ def large_shapes(device: torch.device, backend: str, quick: bool) -> tuple[tuple
 
 
 @contextlib.contextmanager
-def _threads(n: int):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
-@contextlib.contextmanager
 def _interpreted_reduce_block(ctx: _Ctx):
     """Under Triton's interpreter, REDUCE_BLOCK lowered for the large row (see
     INTERPRETED_REDUCE_BLOCK); elsewhere nothing."""
@@ -565,9 +556,9 @@ def _large(ctx: _Ctx) -> list:
                                                             device=ref_dev))
     with _interpreted_reduce_block(ctx):
         if ctx.backend == "cpp" and ctx.device.type == "cpu":
-            with _threads(max(2, torch.get_num_threads())):
+            with torch_threads(max(2, torch.get_num_threads())):
                 params, opt = _stepped(ctx, inputs, excluded=())
-            with _threads(1):
+            with torch_threads(1):
                 one = _outputs(*_stepped(ctx, inputs, excluded=()))
             return [_rel(params, ref), _bits("the same steps on 1 thread",
                                              _outputs(params, opt), one)]
