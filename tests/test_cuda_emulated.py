@@ -11,7 +11,12 @@ The launchers get raw pointers exactly as the torch binding (csrc/cuda/bindings.
 pass 1's sums go straight to pass 2. Results are compared with the float64 reference
 (fusedopt/reference.py) at the tolerances of the C++ CPU backend's tests (tests/test_cpp.py), and
 with themselves, bit for bit, across memory alignments and scheduling orders. Every tensor lies
-inside a larger buffer whose guard elements must come out untouched.
+inside a larger buffer whose guard elements must come out untouched. The optimizer's kernels run
+under the warp-skewed schedule (warp 0 alone up to each __syncthreads, lanes from the last), in
+which a missing barrier changes results; a misaligned vector access is a launch failure.
+
+FUSEDOPT_CSRC_DIR names another copy of csrc/ to build (tests/simt_mutations.py builds mutants of
+the CUDA sources that way); such a build is never cached.
 """
 from __future__ import annotations
 
@@ -43,15 +48,22 @@ from helpers import NAN_RULE_CASES, assert_nan_rule, nan_rule_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMT = ROOT / "tests" / "simt"
-CUDA_SOURCES = [ROOT / "csrc" / "cuda" / f"{name}.cu" for name in ("lamb", "lars", "norms")]
+DEFAULT_CSRC = (ROOT / "csrc").resolve()
+# the sources built: csrc/ or a copy of it (FUSEDOPT_CSRC_DIR: tests/simt_mutations.py)
+CSRC = Path(os.environ.get("FUSEDOPT_CSRC_DIR") or DEFAULT_CSRC).resolve()
+CUDA_SOURCES = [CSRC / "cuda" / f"{name}.cu" for name in ("lamb", "lars", "norms")]
 SIMT_SOURCES = [SIMT / "runtime.cpp", SIMT / "driver.cpp", SIMT / "selftest.cpp"]
 CXX = shutil.which("g++") or shutil.which("c++")
 # -ffp-contract=off: no a*b+c is fused into an FMA, so every operation rounds as written (nvcc
 # contracts by default: on a GPU the last bits may differ; docs/cuda_emulation.md).
+# -fsanitize=alignment: every load and store checks that its address is aligned to its type; a
+# failed check stops the thread and the launch fails with cudaErrorMisalignedAddress, as on the
+# device (the handlers are tests/simt/runtime.cpp's: the sanitizer's runtime is not linked).
 CXX_FLAGS = ["-std=c++20", "-O2", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-Wall",
              "-Wextra", "-Wno-unknown-pragmas",  # nvcc's #pragma unroll
+             "-fsanitize=alignment", "-fno-sanitize-recover=alignment",
              "-I", str(SIMT / "include"),  # first: before any CUDA toolkit directory
-             "-I", str(ROOT / "csrc"), "-I", str(ROOT / "csrc" / "cuda")]
+             "-I", str(CSRC), "-I", str(CSRC / "cuda")]
 # Extra flags for the emulation build, e.g. "-fsanitize=undefined -fno-sanitize-recover=all"
 # (docs/cuda_emulation.md).
 EXTRA_FLAGS = shlex.split(os.environ.get("FUSEDOPT_SIMT_CXXFLAGS", ""))
@@ -62,8 +74,9 @@ pytestmark = pytest.mark.skipif(
     "built for the SIMT emulation")
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-LAUNCH_FAILURE, NOT_SUPPORTED = 719, 801
-FORWARD, REVERSE, RANDOM = 0, 1, 2
+MISALIGNED, LAUNCH_FAILURE, NOT_SUPPORTED = 716, 719, 801
+# simt::Order: the round-robin orders (threads and blocks), and the warp-skewed ones (threads only)
+FORWARD, REVERSE, RANDOM, WARP_SKEW, WARP_SKEW_RANDOM = 0, 1, 2, 3, 4
 # tolerances of fusedopt.testing: max_rel_err against the float64 reference
 TOL = REL_TOL
 # sums of squares against the exact float64 sums (test_cpp.test_sq_norms)
@@ -73,6 +86,15 @@ LOW_ATOL = ROUNDING_ATOL
 
 
 # --------------------------------------------------------------------------------- build
+
+def _name(path: Path) -> str:
+    """A source's name in the build's logs and dependency lists: csrc/... for the sources built
+    (wherever CSRC is), tests/simt/... for the emulation's."""
+    path = Path(path)
+    if path.is_relative_to(CSRC):
+        return (Path("csrc") / path.relative_to(CSRC)).as_posix()
+    return path.relative_to(ROOT).as_posix()
+
 
 def _compile(src: Path, obj: Path) -> tuple[int, str]:
     lang = ["-x", "c++"] if src.suffix == ".cu" else []
@@ -100,16 +122,16 @@ def _build_into(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     objs = [out / (s.stem + (".cu" if s.suffix == ".cu" else "") + ".o") for s in sources]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_compile, sources, objs))
-    logs = {s.relative_to(ROOT).as_posix(): log for s, (_, log) in zip(sources, results)}
+    logs = {_name(s): log for s, (_, log) in zip(sources, results)}
     for s, (rc, log) in zip(sources, results):
-        assert rc == 0, f"{CXX} failed on {s.relative_to(ROOT)}:\n{log[-6000:]}"
+        assert rc == 0, f"{CXX} failed on {s}:\n{log[-6000:]}"
     p = subprocess.run([CXX, "-shared", *EXTRA_FLAGS, "-o", str(out / LIB), *map(str, objs)],
                        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert p.returncode == 0, f"linking the emulation failed:\n{p.stdout}{p.stderr}"
     deps = {}
     for s, o in zip(sources, objs):
         text = o.with_suffix(".d").read_text().replace("\\\n", " ")
-        deps[s.relative_to(ROOT).as_posix()] = text.split(":", 1)[1].split()
+        deps[_name(s)] = text.split(":", 1)[1].split()
     return logs, deps
 
 
@@ -118,13 +140,13 @@ def _build_key() -> str:
     code and every file under csrc/ and tests/simt/."""
     return (Hasher("simt").tool("cxx", CXX).add("flags", (CXX_FLAGS, EXTRA_FLAGS))
             .add("code", inspect.getsource(_compile) + inspect.getsource(_build_into))
-            .tree("sources", ROOT / "csrc", SIMT).environment().hexdigest())
+            .tree("sources", CSRC, SIMT).environment().hexdigest())
 
 
 def _read_elsewhere(deps: dict[str, list[str]]) -> dict[str, str | None]:
     """The files the build read outside csrc/ and tests/simt/ (the system headers), with their
     sha256: a cached build is reused only while they are unchanged too."""
-    hashed = ((ROOT / "csrc").resolve(), SIMT.resolve())
+    hashed = (CSRC, SIMT.resolve())
     out = {}
     for d in sorted({d for ds in deps.values() for d in ds}):
         p = Path(d).resolve()
@@ -136,12 +158,14 @@ def _read_elsewhere(deps: dict[str, list[str]]) -> dict[str, str | None]:
 @pytest.fixture(scope="module")
 def build(request, tmp_path_factory) -> Build:
     """The emulation library, built once per test module, or the build of an earlier run whose
-    inputs were the same (tests/build_cache.py; only a build that succeeded is kept)."""
+    inputs were the same (tests/build_cache.py; only a build that succeeded is kept). A build of
+    another source directory (FUSEDOPT_CSRC_DIR) is neither looked up nor stored: the mutants of
+    tests/simt_mutations.py would take the places of the real build's entries."""
     out = tmp_path_factory.mktemp("simt")
-    cache = Cache(request.config, "simt")
+    cache = Cache(request.config, "simt") if CSRC == DEFAULT_CSRC else None
     key = _build_key()
     start = time.perf_counter()
-    if (entry := cache.lookup(key)) is not None:
+    if cache is not None and (entry := cache.lookup(key)) is not None:
         meta = json.loads((entry / "build.json").read_text())
         if _read_elsewhere(meta["deps"]) == meta["elsewhere"]:
             shutil.copyfile(entry / LIB, out / LIB)
@@ -151,8 +175,9 @@ def build(request, tmp_path_factory) -> Build:
         shutil.rmtree(entry, ignore_errors=True)  # a system header changed
     logs, deps = _build_into(out)
     seconds = time.perf_counter() - start
-    print(f"\nSIMT emulation built in {seconds:.1f} s ({len(logs)} sources, 2 at a time)")
-    if _build_key() == key:  # no source changed while it was built
+    print(f"\nSIMT emulation of {CSRC} built in {seconds:.1f} s ({len(logs)} sources, 2 at a "
+          "time)")
+    if cache is not None and _build_key() == key:  # no source changed while it was built
         meta = dict(seconds=seconds, logs=logs, deps=deps, elsewhere=_read_elsewhere(deps))
 
         def fill(d: Path) -> None:
@@ -247,7 +272,13 @@ class Emu:
         self.chunk_size = lib.simt_chunk_size()
 
     # ---- scheduler
-    def schedule(self, threads=FORWARD, blocks=FORWARD, seed=0):
+    def schedule(self, threads=WARP_SKEW, blocks=FORWARD, seed=0):
+        """The orders of the next launches. The default, warp-skewed, runs warp 0 alone up to
+        each __syncthreads, its lanes from the last: a barrier missing between a write to shared
+        memory and the reads of other threads (block_sum's exchange between warps,
+        block_broadcast's from thread 0) then changes what the readers see. The round-robin orders
+        release every shuffle at the end of a round, in which every warp has run, and hide the
+        first of those."""
         self.lib.simt_set_schedule(threads, blocks, seed)
 
     def reset_stats(self):
@@ -321,7 +352,8 @@ def emu(build) -> Emu:
 
 @pytest.fixture
 def fresh(emu):
-    """The emulator with the default schedule and cleared counters, restored afterwards."""
+    """The emulator with the default (warp-skewed) schedule and cleared counters, restored
+    afterwards."""
     emu.schedule()
     emu.reset_stats()
     yield emu
@@ -423,8 +455,16 @@ def _scalar(value, dtype):
 
 # ------------------------------------------------------------------------------- the runs
 
+LISTS = ("param", "master", "grad", "state1", "state2")  # the roles of run_case's tensors
+
+
 def _layout(name: str):
-    """Which tensors start one element past a 16-byte boundary: (index, role) -> bool."""
+    """Which tensors start one element past a 16-byte boundary: (index, role) -> bool.
+    "only_<role>": every tensor of that list, and nothing else."""
+    if name.startswith("only_"):
+        role = name[len("only_"):]
+        assert role in LISTS, name
+        return lambda i, r: r == role
     return {
         "aligned": lambda i, role: False,
         "misaligned": lambda i, role: True,
@@ -653,20 +693,20 @@ def test_no_toolkit_header_is_read(build):
             p = Path(d).resolve()
             if include in p.parents:
                 seen.add(p.name)
-            elif ROOT.resolve() not in p.parents:  # a system header
+            elif ROOT.resolve() not in p.parents and CSRC not in p.parents:  # a system header
                 assert not p.name.startswith("cuda") and "cuda" not in str(p).lower(), \
                     f"{source} read {p}, a toolkit header"
     assert {"cuda_runtime.h", "cuda_runtime_api.h", "cuda_fp16.h", "cuda_bf16.h"} <= seen
 
 
 def test_real_sources_are_built(build):
-    """The .cu files compiled are csrc's own (not copies), with the headers they include."""
+    """The .cu files compiled are csrc's own (not copies; or those of FUSEDOPT_CSRC_DIR), with
+    the headers they include."""
     for src in CUDA_SOURCES:
-        deps = [Path(d).resolve() for d in build.deps[src.relative_to(ROOT).as_posix()]]
+        deps = [Path(d).resolve() for d in build.deps[_name(src)]]
         assert src.resolve() in deps
-        for header in ("csrc/cuda/multi_tensor_apply.cuh", "csrc/cuda/launch.h",
-                       "csrc/fusedopt/math.h"):
-            assert (ROOT / header).resolve() in deps
+        for header in ("cuda/multi_tensor_apply.cuh", "cuda/launch.h", "fusedopt/math.h"):
+            assert (CSRC / header).resolve() in deps
 
 
 def test_struct_layouts_match_the_driver(emu):
@@ -742,12 +782,17 @@ def test_shuffle_down_semantics(fresh):
     assert fresh.stats()["warp_shuffles"] == 2 * 3 * 5
 
 
+# (threads, blocks): every thread order, with every block order
+ORDERS = [(FORWARD, FORWARD), (REVERSE, REVERSE), (RANDOM, RANDOM), (WARP_SKEW, REVERSE),
+          (WARP_SKEW_RANDOM, RANDOM)]
+
+
 @pytest.mark.parametrize("threads", [512, 256])
 def test_block_sum_and_broadcast(fresh, threads):
     """block_sum and block_broadcast of multi_tensor_apply.cuh, over several blocks (the
     __shared__ arrays are reused from block to block), in every scheduling order."""
-    for order in (FORWARD, REVERSE, RANDOM):
-        fresh.schedule(order, order, seed=3)
+    for order, block_order in ORDERS:
+        fresh.schedule(order, block_order, seed=3)
         rc, out = _selftest(fresh, f"block_sum_{threads}", 6, 3, threads, torch.float64)
         assert rc == 0, fresh.fault()
         for b in range(3):
@@ -761,11 +806,14 @@ def test_block_sum_and_broadcast(fresh, threads):
 
 
 def test_scheduling_orders(fresh):
-    """The knobs of the determinism tests do change the order threads and blocks run in."""
+    """The knobs of the determinism tests do change the order threads and blocks run in; the
+    warp-skewed orders run one warp at a time."""
     runs = {}
-    for name, order, seed in (("forward", FORWARD, 0), ("reverse", REVERSE, 0),
-                              ("random1", RANDOM, 1), ("random2", RANDOM, 2)):
-        fresh.schedule(order, order, seed)
+    for name, order, block_order, seed in (
+            ("forward", FORWARD, FORWARD, 0), ("reverse", REVERSE, REVERSE, 0),
+            ("random1", RANDOM, RANDOM, 1), ("random2", RANDOM, RANDOM, 2),
+            ("skew", WARP_SKEW, FORWARD, 0), ("skew_random", WARP_SKEW_RANDOM, FORWARD, 1)):
+        fresh.schedule(order, block_order, seed)
         count = torch.zeros(1, dtype=torch.int32)
         rc, out = _selftest(fresh, "order", 4 * 64, 4, 64, extra=count)
         assert rc == 0 and count.item() == 256
@@ -773,7 +821,12 @@ def test_scheduling_orders(fresh):
         runs[name] = out.tolist()
     assert runs["forward"] == list(range(256))
     assert runs["reverse"] == [b * 64 + t for b in range(3, -1, -1) for t in range(63, -1, -1)]
-    assert len({tuple(r) for r in runs.values()}) == 4
+    assert runs["skew"] == [b * 64 + w * 32 + lane for b in range(4) for w in range(2)
+                            for lane in range(31, -1, -1)]
+    warps = [{t // 32 for t in runs["skew_random"][k:k + 32]} for k in range(0, 256, 32)]
+    assert all(len(w) == 1 for w in warps), "a warp-skewed order interleaved two warps"
+    assert sorted(w.pop() for w in warps) == list(range(8))
+    assert len({tuple(r) for r in runs.values()}) == 6
 
 
 def test_resume_order_exposes_a_shared_memory_race(fresh):
@@ -786,6 +839,84 @@ def test_resume_order_exposes_a_shared_memory_race(fresh):
         assert rc == 0, fresh.fault()
         results.add(tuple(out.tolist()))
     assert len(results) == 2
+
+
+def test_warp_skew_exposes_missing_barriers(fresh):
+    """block_sum's exchange between warps and block_broadcast, each without its __syncthreads
+    (selftest.cpp): under the round-robin orders warp 0 reads the other warps' values after a
+    shuffle, which is released only at the end of a round in which every warp has written, and
+    under the forward order thread 0 writes before the others read; the warp-skewed order, that of
+    the optimizer tests, shows both: what is read is the previous block's value."""
+    blocks, threads = 3, 128
+    want = torch.zeros(blocks, 32, dtype=torch.int32)
+    for b in range(blocks):
+        want[b, :threads // 32] = torch.arange(threads // 32) + 1000 * b + 1
+    for order in (FORWARD, REVERSE, RANDOM, WARP_SKEW):
+        fresh.schedule(order, FORWARD, seed=5)
+        rc, out = _selftest(fresh, "unsynced_sum", blocks * 32, blocks, threads)
+        assert rc == 0, fresh.fault()
+        out = out.view(blocks, 32)
+        if order == WARP_SKEW:
+            assert torch.equal(out[:, 0], want[:, 0])  # its own warp's value, written before
+            assert (out[:, 1:threads // 32] != want[:, 1:threads // 32]).all()
+        else:
+            assert torch.equal(out, want), order
+    want = (7 * torch.arange(blocks, dtype=torch.int32) + 3)[:, None].expand(blocks, threads)
+    for order in (FORWARD, WARP_SKEW):
+        fresh.schedule(order, FORWARD)
+        rc, out = _selftest(fresh, "unsynced_broadcast", blocks * threads, blocks, threads)
+        assert rc == 0, fresh.fault()
+        wrong = out.view(blocks, threads) != want
+        if order == WARP_SKEW:  # lanes 31 .. 1 of warp 0 read before thread 0 wrote
+            assert wrong[:, 1:32].all() and not wrong[:, 0].any() and not wrong[:, 32:].any()
+        else:
+            assert not wrong.any()
+
+
+def _aligned_bytes(n: int) -> torch.Tensor:
+    raw = torch.zeros(n + 64, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % 64
+    return raw[shift:shift + n]
+
+
+def _line_of(header: str, text: str) -> str:
+    """file:line of the one line of csrc/cuda/<header> that holds ``text``."""
+    lines = [n for n, line in enumerate((CSRC / "cuda" / header).read_text().splitlines(), 1)
+             if text in line]
+    assert len(lines) == 1, (header, text, lines)
+    return f"{header}:{lines[0]}"
+
+
+@pytest.mark.parametrize("which,size,access", [
+    ("vector_access", 16, ("multi_tensor_apply.cuh", "const V pk = q[u];")),
+    ("vector_store", 16, ("multi_tensor_apply.cuh", "q[u] = pk;")),
+    ("codes_access", 8, ("lowp.cuh", "*reinterpret_cast<const Codes8<C>*>(p + off)"))])
+def test_a_misaligned_vector_access_is_a_fault(fresh, which, size, access):
+    """The kernels' vector accesses (load_group / store_group: 16 bytes; load_codes /
+    store_codes: 8 bytes) through a pointer that is not a multiple of their size stop the launch
+    with cudaErrorMisalignedAddress before anything is written, as on the device; aligned, they
+    do what they should."""
+    threads = 64
+    elem = 1 if which == "codes_access" else 4  # float or 8-bit code
+    buf = _aligned_bytes(threads * size + size)
+    for offset in range(0, size, elem):
+        view = buf[offset:offset + threads * size]
+        dtype = torch.int8 if elem == 1 else torch.float32
+        init = torch.arange(threads * size // elem, dtype=torch.int32).to(dtype)
+        data = view.view(dtype)
+        data.copy_(init)
+        rc = fresh.lib.simt_selftest(which.encode(), data.data_ptr(), None, 1, threads)
+        if offset == 0:
+            assert rc == 0, fresh.fault()
+            want = {"vector_access": init * 2, "vector_store": init + 1,
+                    "codes_access": init + 1}[which]
+            assert torch.equal(data, want)
+        else:
+            assert rc == MISALIGNED, (offset, rc, fresh.fault())
+            fault = fresh.fault()
+            assert "misaligned address" in fault and f"({_line_of(*access)})" in fault, fault
+            assert f"{offset} bytes past a {size}-byte boundary" in fault, fault
+            assert torch.equal(data, init)
 
 
 @pytest.mark.parametrize("which,message", [
@@ -801,6 +932,9 @@ def test_barrier_misuse_is_a_launch_failure(fresh, which, message):
 
 # ======================================================================= the optimizer kernels
 
+# (4101,): more than 8 * 480 elements, so that even with 8-element groups (a 2-byte array: Note
+# [vectorization]) every warp of its chunk block holds a share of its sums, and a block reduction
+# that lost a warp's share changes its trust ratio.
 SHAPES = [(3, 5), (7,), (0,), (1,), (33,), (2, 3, 4), (4101,), (16,)]
 ZERO_WEIGHT, ZERO_GRAD = 7, 5
 
@@ -924,8 +1058,13 @@ def test_more_tensors_than_a_table_holds(fresh, kind):
     assert len(chunk) == 2 * (tables1 + tables2)
     assert sum(g for g, _ in chunk) == 2 * 2 * nonempty
     assert {b for _, b in reduce} == {256} and {b for _, b in chunk} == {512}
-    fresh.reset_stats()
-    tensors = [p.detach() for p in run.params]
+
+
+def test_sq_norms_of_more_tensors_than_a_table_holds(fresh):
+    """150 tensors: the sums-of-squares pass splits its launches too (a test of its own, apart
+    from the step tests, which tests/simt_mutations.py runs without the sums-of-squares pass)."""
+    shapes = [(0,) if i % 25 == 3 else (1 + (7 * i) % 13,) for i in range(150)]
+    tensors = make_tensors(shapes, torch.float32, 0)
     got = fresh.sq_norms(tensors)
     assert len(_kernel_launches(fresh, "reduce_kernel")) == math.ceil(
         150 / fresh.lib.simt_table_capacity(1)) >= 2
@@ -950,6 +1089,18 @@ def test_chunk_boundaries(fresh, kind, dtype):
     assert grids == [1 + 2 + 3 + 1] * 4  # chunks per pass: 65536 -> 1, 65537 -> 2, 2*65536+1 -> 3
 
 
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_a_tensor_of_more_chunks_than_a_warp_has_lanes(fresh, kind):
+    """34 chunks: reduce_kernel's threads 32 and 33 (warp 1) hold partial rows, so its exchange
+    between warps (block_sum) decides the tensor's sums; with 32 chunks or fewer every row is
+    warp 0's."""
+    shapes = [(3,), (33 * CHUNK + 5,), (7,)]
+    assert fresh.total_chunks([33 * CHUNK + 5]) == 34 > 32
+    hyper = {"lamb": {}, "lars": dict(weight_decay=1e-4)}[kind]
+    run = run_case(fresh, Case(kind, shapes, hyper, steps=1, layout="aligned"))
+    check_against_reference(run)
+
+
 LAYOUT_SHAPES = [(4101,), (CHUNK + 1,), (37,), (8,), (0,), (3,)]
 
 
@@ -960,12 +1111,18 @@ LAYOUT_SHAPES = [(4101,), (CHUNK + 1,), (37,), (8,), (0,), (3,)]
 def test_alignment_does_not_change_a_bit(fresh, kind, cfg):
     """Note [vectorization]: 16-byte vector accesses (aligned chunks) and element accesses
     (misaligned ones) give the same bits, params, states and pass-1 sums alike, whatever the
-    alignment of the tensor and of its neighbours."""
+    alignment of the tensor and of its neighbours. One list at a time is misaligned too, the
+    others aligned (only_<list>): a pointer left out of a chunk's alignment test would send that
+    list through the vector path misaligned, which faults (cudaErrorMisalignedAddress)."""
     dtype, masters = cfg
     hyper = {"lamb": {}, "lars": dict(weight_decay=1e-2, denominator="combined")}[kind]
+    lists = ["param", "grad", "state1"] + (["state2"] if kind == "lamb" else []) + \
+        (["master"] if masters else [])
+    layouts = ["aligned", "misaligned", "mixed", "neighbours", "one_list"] + \
+        [f"only_{r}" for r in lists]
     runs = {layout: run_case(fresh, Case(kind, LAYOUT_SHAPES, hyper, dtype=dtype, masters=masters,
                                          steps=2, layout=layout))
-            for layout in ("aligned", "misaligned", "mixed", "neighbours", "one_list")}
+            for layout in layouts}
     if dtype in (torch.float32, torch.float64) or masters:
         check_against_reference(runs["aligned"])
     for layout, run in runs.items():
@@ -1039,12 +1196,14 @@ def test_unsupported_combinations_are_refused(fresh, what):
 def test_scheduling_order_does_not_change_a_bit(fresh, kind):
     """Params, states and sums are bit-identical whatever order the fibers of a block resume in
     and the blocks run in (a race between threads or blocks would show: see
-    test_resume_order_exposes_a_shared_memory_race)."""
+    test_resume_order_exposes_a_shared_memory_race and
+    test_warp_skew_exposes_missing_barriers)."""
     shapes = [(2 * CHUNK + 1,), (CHUNK + 1,), (0,)] + [(1 + i % 9,) for i in range(70)]
     hyper = {"lamb": dict(trust_ratio_bounds=(0.5, 2.0)), "lars": dict(weight_decay=1e-4)}[kind]
     results = []
     for threads, blocks, seed in ((FORWARD, FORWARD, 0), (REVERSE, REVERSE, 0),
-                                  (RANDOM, RANDOM, 1), (RANDOM, FORWARD, 2)):
+                                  (RANDOM, RANDOM, 1), (RANDOM, FORWARD, 2),
+                                  (WARP_SKEW, REVERSE, 0), (WARP_SKEW_RANDOM, RANDOM, 3)):
         fresh.schedule(threads, blocks, seed)
         run = run_case(fresh, Case(kind, shapes, hyper, steps=2, grad_mult=0.5))
         norms = fresh.sq_norms([p for p in run.params])
@@ -1069,6 +1228,20 @@ def test_the_comparisons_are_not_vacuous(fresh, kind, wrong):
     run = run_case(fresh, Case(kind, SHAPES, hyper, kernel_hyper=wrong))
     with pytest.raises(AssertionError):
         check_against_reference(run)
+
+
+@pytest.mark.build
+def test_the_step_tests_catch_a_planted_bug():
+    """tests/simt_mutations.py with one of its mutations (LAMB's pass 1 deciding on 16-byte
+    accesses without testing v's alignment): the step tests, built from the mutated copy of
+    csrc/, must fail. The script also plants two missing barriers and runs a control; each
+    mutation takes a build and a pytest run (about 15 s on one core), so only this one runs
+    here (docs/cuda_emulation.md)."""
+    import simt_mutations
+
+    out = simt_mutations.check(["alignment_check"], control=False, first_failure=True,
+                               log=lambda *_: None)["alignment_check"]
+    assert simt_mutations.caught(out), simt_mutations.summary("alignment_check", out)
 
 
 def test_the_guards_and_bitwise_checks_can_fail():

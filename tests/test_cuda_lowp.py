@@ -113,18 +113,24 @@ class LowpCase:
     clip: float | None = None    # global clipping: grad_mult = min(1, clip / ‖g‖) per step
     found_inf: list | None = None  # per step
     inf_grad: tuple | None = None  # (step, tensor): an inf in that tensor's grad at that step
-    misalign: bool = True        # some CUDA tensors not 16 (8-bit codes: not 8) byte aligned
+    # some CUDA tensors not 16 (8-bit codes: not 8) byte aligned; a list ("param", "master",
+    # "grad", "s1", "s2"): tensor 1 misaligned in that list only
+    misalign: bool | str = True
     lr_tensor: bool = False
 
 
-def _mis(i: int, role: str, es: int, case: LowpCase) -> int:
+def _mis(i: int, role: str, t: torch.Tensor, case: LowpCase) -> int:
     """Bytes past a 64-byte boundary: tensor 1, 4, ... misaligned in every list, tensor 2, 5, ...
-    in its states only (their elements by element, w and g by 16-byte vectors), others aligned.
-    8-bit state: 4 bytes (a 4-byte boundary, not 8: its codes go byte by byte)."""
-    state = role in ("state", "state8")
-    if not case.misalign or i % 3 == 0 or (i % 3 == 2 and not state):
+    in its states only (their elements by element, w and g by 16-byte vectors), others aligned;
+    with a list named by ``case.misalign``, tensor 1 in that list only. 8-bit state: 4 bytes (a
+    4-byte boundary, not 8: its codes go byte by byte)."""
+    if isinstance(case.misalign, str):
+        hit = i == 1 and role == case.misalign
+    else:
+        hit = case.misalign and i % 3 == 1 or i % 3 == 2 and role in ("s1", "s2")
+    if not hit or not case.misalign:
         return 0
-    return 4 if role == "state8" else es
+    return 4 if t.dtype == torch.uint8 else t.element_size()
 
 
 def run_lowp(emu, case: LowpCase):
@@ -146,15 +152,14 @@ def run_lowp(emu, case: LowpCase):
     arena = ByteArena()
 
     def place(t, i, role):
-        return arena.place(t.clone(), _mis(i, "state8" if t.dtype == torch.uint8 else role,
-                                           t.element_size(), case))
+        return arena.place(t.clone(), _mis(i, role, t, case))
 
     params = [place(p, i, "param") for i, p in enumerate(params_c)]
     masters = [place(m, i, "master") for i, m in enumerate(masters_c)] if case.masters else None
     weights = masters if case.masters else params
     grads = [place(g, i, "grad") for i, g in enumerate(grads_c)]
-    s1 = [place(x, i, "state") for i, x in enumerate(s1_c)]
-    s2 = [place(x, i, "state") for i, x in enumerate(s2_c)] if lamb else None
+    s1 = [place(x, i, "s1") for i, x in enumerate(s1_c)]
+    s2 = [place(x, i, "s2") for i, x in enumerate(s2_c)] if lamb else None
     steps = [arena.place(torch.zeros(())) for _ in range(n)]
     fmt = [CODE[f] for f in case.formats]
     lowp_params = params if case.masters else None
@@ -358,6 +363,23 @@ def test_schedules_and_alignment_do_not_change_a_bit(emu, kind):
         emu.schedule()
     for other in results[1:]:
         assert_same_bits(other, results[0], "outputs under another schedule")
+
+
+@pytest.mark.parametrize("role,masters,fmt", [
+    ("param", False, "8bit"), ("param", True, "8bit"), ("master", True, "8bit"),
+    ("grad", False, "8bit"), ("s1", False, "bf16"), ("s1", False, "8bit"), ("s2", False, "bf16"),
+    ("s2", False, "8bit")], ids=lambda x: str(x))
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_one_list_misaligned(emu, kind, role, masters, fmt):
+    """One list of one tensor misaligned, the others aligned: the kernels' alignment checks must
+    send that tensor down the element path (a vector access through its pointer is a launch
+    failure in the emulation), and the bits stay those of the cpp backend."""
+    if kind == "lars" and role == "s2":
+        pytest.skip("LARS has one state list")
+    hyper = {"lamb": {}, "lars": dict(weight_decay=1e-4)}[kind]
+    run_lowp(emu, LowpCase(kind, [(CHUNK + 700,), (CHUNK + 300,), (5,)], ["8bit", fmt, "bf16"],
+                           hyper, dtype=torch.bfloat16 if masters else torch.float32,
+                           masters=masters, grad_dtype=torch.float32, steps=2, misalign=role))
 
 
 def test_float64_weights_with_low_precision_state_are_refused(emu):

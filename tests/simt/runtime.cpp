@@ -7,6 +7,10 @@
 // floating-point control words, as a function call would preserve them); elsewhere, or with
 // -DSIMT_UCONTEXT, with makecontext/swapcontext, which also save the signal mask at the cost of
 // a system call per switch.
+//
+// The orders (Order in include/simt/runtime.h): round-robin, every runnable fiber of the block
+// once per round, or warp-skewed, one warp at a time as far as it can go alone. A fiber also stops
+// on a misaligned access (the handlers of -fsanitize=alignment's checks, at the end of this file).
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -77,7 +81,8 @@ struct Context {
 };
 #endif
 
-enum class State : uint8_t { kReady, kAtSyncthreads, kAtShuffle, kDone };
+// kFaulted: stopped by a fault of its own (a misaligned access); it never runs again.
+enum class State : uint8_t { kReady, kAtSyncthreads, kAtShuffle, kDone, kFaulted };
 
 struct Fiber {
   Context context;
@@ -108,6 +113,9 @@ struct Scheduler {
   std::string log;
   std::string fault;
   cudaError_t last_error = cudaSuccess;
+  // set by a fiber that stopped on a fault of its own (State::kFaulted)
+  std::string fiber_fault;
+  cudaError_t fiber_error = cudaSuccess;
 
   std::vector<Stack> stacks;
   std::vector<Fiber> fibers;
@@ -215,6 +223,7 @@ const char* state_name(State st) {
     case State::kAtSyncthreads: return "at __syncthreads";
     case State::kAtShuffle: return "at __shfl_down_sync";
     case State::kDone: return "exited";
+    case State::kFaulted: return "faulted";
   }
   return "?";
 }
@@ -297,7 +306,59 @@ bool resolve_shuffle(Scheduler& s, int w, int nthreads, std::string& fault) {
   return true;
 }
 
-// Runs one block to completion; returns an empty string or the description of a fault.
+// Resumes fiber t until it exits, waits at a barrier or faults.
+void resume(Scheduler& s, int t, dim3 block) {
+  s.current = t;
+  detail::thread_idx = uint3{static_cast<unsigned>(t) % block.x,
+                             (static_cast<unsigned>(t) / block.x) % block.y,
+                             static_cast<unsigned>(t) / (block.x * block.y)};
+  ++s.stats.resumes;
+  switch_context(s.home, s.fibers[static_cast<size_t>(t)].context);
+  s.current = -1;
+}
+
+bool warp_skewed(Order order) {
+  return order == Order::kWarpSkew || order == Order::kWarpSkewRandom;
+}
+
+// The warp-skewed step of run_block: every warp, one after another, runs alone until none of its
+// fibers can move (each has exited or waits at a __syncthreads, or its lanes wait at a shuffle
+// that can never complete, which is a fault). Returns false on a fault (`fault` set, or
+// s.fiber_error for a fiber's own).
+bool run_warps_alone(Scheduler& s, int nthreads, dim3 block, std::string& fault) {
+  const int warps = (nthreads + warpSize - 1) / warpSize;
+  std::vector<int> warp_order(static_cast<size_t>(warps));
+  std::iota(warp_order.begin(), warp_order.end(), 0);
+  if (s.thread_order == Order::kWarpSkewRandom) {
+    std::shuffle(warp_order.begin(), warp_order.end(), s.rng);
+  }
+  std::vector<int> lanes;
+  for (int w : warp_order) {
+    const int first = w * warpSize;
+    const int last = std::min(first + warpSize, nthreads);
+    for (;;) {
+      lanes.clear();
+      for (int t = first; t < last; ++t) {
+        if (s.fibers[static_cast<size_t>(t)].state == State::kReady) lanes.push_back(t);
+      }
+      if (s.thread_order == Order::kWarpSkew) {
+        std::reverse(lanes.begin(), lanes.end());
+      } else {
+        std::shuffle(lanes.begin(), lanes.end(), s.rng);
+      }
+      for (int t : lanes) {
+        resume(s, t, block);
+        if (s.fiber_error != cudaSuccess) return false;
+      }
+      if (!resolve_shuffle(s, w, nthreads, fault)) break;
+    }
+    if (!fault.empty()) return false;
+  }
+  return true;
+}
+
+// Runs one block to completion; returns an empty string or the description of a fault (a fiber's
+// own fault also sets s.fiber_error).
 std::string run_block(Scheduler& s, int nthreads, dim3 block) {
   std::vector<int> order;
   order.reserve(static_cast<size_t>(nthreads));
@@ -309,22 +370,25 @@ std::string run_block(Scheduler& s, int nthreads, dim3 block) {
   }
   s.stats.threads += nthreads;
   const int warps = (nthreads + warpSize - 1) / warpSize;
+  const bool skewed = warp_skewed(s.thread_order);
   for (;;) {
-    // one round: every runnable fiber runs until it exits or waits at a barrier
-    order.clear();
-    for (int t = 0; t < nthreads; ++t) {
-      if (s.fibers[static_cast<size_t>(t)].state == State::kReady) order.push_back(t);
+    std::string fault;
+    if (skewed) {
+      if (!run_warps_alone(s, nthreads, block, fault)) {
+        return s.fiber_error != cudaSuccess ? s.fiber_fault : fault;
+      }
+    } else {
+      // one round: every runnable fiber runs until it exits or waits at a barrier
+      order.clear();
+      for (int t = 0; t < nthreads; ++t) {
+        if (s.fibers[static_cast<size_t>(t)].state == State::kReady) order.push_back(t);
+      }
+      make_order(s, s.thread_order, order);
+      for (int t : order) {
+        resume(s, t, block);
+        if (s.fiber_error != cudaSuccess) return s.fiber_fault;
+      }
     }
-    make_order(s, s.thread_order, order);
-    for (int t : order) {
-      s.current = t;
-      detail::thread_idx = uint3{static_cast<unsigned>(t) % block.x,
-                                 (static_cast<unsigned>(t) / block.x) % block.y,
-                                 static_cast<unsigned>(t) / (block.x * block.y)};
-      ++s.stats.resumes;
-      switch_context(s.home, s.fibers[static_cast<size_t>(t)].context);
-    }
-    s.current = -1;
     // then release the barriers that every awaited thread has reached
     int done = 0, at_sync = 0;
     for (int t = 0; t < nthreads; ++t) {
@@ -333,13 +397,14 @@ std::string run_block(Scheduler& s, int nthreads, dim3 block) {
       at_sync += st == State::kAtSyncthreads;
     }
     if (done == nthreads) return {};
-    std::string fault;
-    bool released = false;
-    for (int w = 0; w < warps; ++w) {
-      released |= resolve_shuffle(s, w, nthreads, fault);
-      if (!fault.empty()) return fault;
+    if (!skewed) {  // (a skewed step leaves no shuffle that could be released)
+      bool released = false;
+      for (int w = 0; w < warps; ++w) {
+        released |= resolve_shuffle(s, w, nthreads, fault);
+        if (!fault.empty()) return fault;
+      }
+      if (released) continue;
     }
-    if (released) continue;
     if (at_sync == nthreads) {
       const Fiber& f0 = s.fibers[0];
       for (int t = 1; t < nthreads; ++t) {
@@ -355,7 +420,7 @@ std::string run_block(Scheduler& s, int nthreads, dim3 block) {
     }
     // nothing can move: describe the first thread of every state
     std::string what = "deadlock (a barrier not reached by every thread it waits for):";
-    bool seen[4] = {false, false, false, false};
+    bool seen[5] = {false, false, false, false, false};
     for (int t = 0; t < nthreads; ++t) {
       const Fiber& f = s.fibers[static_cast<size_t>(t)];
       const int k = static_cast<int>(f.state);
@@ -371,6 +436,9 @@ std::string run_block(Scheduler& s, int nthreads, dim3 block) {
 }  // namespace
 
 void set_schedule(Order threads, Order blocks, uint64_t seed) {
+  const int th = static_cast<int>(threads), bl = static_cast<int>(blocks);
+  if (th < 0 || th > static_cast<int>(Order::kWarpSkewRandom)) misuse("no such thread order");
+  if (bl < 0 || bl > static_cast<int>(Order::kRandom)) misuse("no such block order (warp-skewed?)");
   Scheduler& s = sched();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.thread_order = threads;
@@ -402,6 +470,8 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, void (*body)(void*), vo
   std::lock_guard<std::mutex> lock(s.mutex);
   ++s.stats.launches;
   s.fault.clear();
+  s.fiber_fault.clear();
+  s.fiber_error = cudaSuccess;
   s.log += std::string(kernel) + " grid=" + std::to_string(grid.x) + "x" +
            std::to_string(grid.y) + "x" + std::to_string(grid.z) + " block=" +
            std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
@@ -436,7 +506,7 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, void (*body)(void*), vo
     std::string fault = run_block(s, nthreads, block);
     if (!fault.empty()) {
       s.fault = std::string(kernel) + ", block " + std::to_string(b) + ": " + fault;
-      s.last_error = cudaErrorLaunchFailure;
+      s.last_error = s.fiber_error != cudaSuccess ? s.fiber_error : cudaErrorLaunchFailure;
       return;
     }
   }
@@ -467,7 +537,89 @@ uint64_t shuffle_down(unsigned mask, uint64_t bits, unsigned delta, int width, c
   return f.result;
 }
 
+// ------------------------------------------------------------------------ faulting accesses
+// The library is compiled with -fsanitize=alignment (tests/test_cuda_emulated.py): before every
+// load and store through a pointer, the compiler checks that the address is a multiple of the
+// alignment of the pointed-to type, and calls __ubsan_handle_type_mismatch_v1 (or its _abort
+// variant, with -fno-sanitize-recover) when it is not. The handlers below take the place of the
+// sanitizer's runtime, which is not linked: a misaligned access in a kernel stops its thread at
+// once, as the device does (on x86 the access itself would go through, or crash the process when
+// the compiler chose an aligned vector instruction), and the launch reports
+// cudaErrorMisalignedAddress with the address, the type and the source line. The same handler
+// receives the null and object-size checks of -fsanitize=undefined (FUSEDOPT_SIMT_CXXFLAGS).
+
+namespace {
+
+// The arguments of the check's handler (the sanitizer's ABI, "type mismatch" version 1, shared by
+// gcc and clang).
+struct SourceLocation {
+  const char* file;
+  uint32_t line;
+  uint32_t column;
+};
+struct TypeDescriptor {
+  uint16_t kind;
+  uint16_t info;
+  char name[1];  // NUL-terminated, e.g. 'const struct Pack16<float, 4>'
+};
+struct TypeMismatchData {
+  SourceLocation location;
+  const TypeDescriptor* type;
+  unsigned char log_alignment;
+  unsigned char check_kind;
+};
+
+[[noreturn]] void bad_access(const TypeMismatchData* d, uintptr_t address) {
+  static const char* const kKinds[] = {
+      "load of", "store to", "reference binding to", "member access within", "member call on",
+      "constructor call on", "downcast of", "downcast of", "upcast of",
+      "cast to virtual base of", "_Nonnull binding to", "dynamic operation on"};
+  const uintptr_t alignment = uintptr_t{1} << d->log_alignment;
+  const bool misaligned = address != 0 && (address & (alignment - 1)) != 0;
+  char where[64];
+  std::snprintf(where, sizeof where, "address 0x%llx", static_cast<unsigned long long>(address));
+  std::string what = d->check_kind < sizeof(kKinds) / sizeof(kKinds[0])
+                         ? kKinds[d->check_kind]
+                         : "access to";
+  what += std::string(" ") + d->type->name + " at ";
+  if (address == 0) {
+    what = "null pointer: " + what + "address 0";
+  } else if (misaligned) {
+    what = "misaligned address: " + what + where + ", " +
+           std::to_string(address & (alignment - 1)) + " bytes past a " +
+           std::to_string(alignment) + "-byte boundary";
+  } else {
+    what = "object too small: " + what + where;
+  }
+  what += " (" + site(d->location.file, d->location.line) + ")";
+  Scheduler& s = sched();
+  if (s.current < 0) {
+    std::fprintf(stderr, "simt: outside a kernel: %s\n", what.c_str());
+    std::abort();
+  }
+  Fiber& f = s.fibers[static_cast<size_t>(s.current)];
+  f.state = State::kFaulted;
+  s.fiber_fault = "thread " + std::to_string(s.current) + ": " + what;
+  s.fiber_error = misaligned ? cudaErrorMisalignedAddress : cudaErrorLaunchFailure;
+  yield_to_scheduler();
+  misuse("a faulted fiber was resumed");
+}
+
+}  // namespace
 }  // namespace simt
+
+// Hidden: the calls of this library bind to these even where the sanitizer's runtime is linked
+// too (FUSEDOPT_SIMT_CXXFLAGS="-fsanitize=undefined").
+#define SIMT_HIDDEN __attribute__((visibility("hidden")))
+extern "C" {
+[[noreturn]] SIMT_HIDDEN void __ubsan_handle_type_mismatch_v1(void* data, uintptr_t address) {
+  simt::bad_access(static_cast<const simt::TypeMismatchData*>(data), address);
+}
+[[noreturn]] SIMT_HIDDEN void __ubsan_handle_type_mismatch_v1_abort(void* data,
+                                                                   uintptr_t address) {
+  simt::bad_access(static_cast<const simt::TypeMismatchData*>(data), address);
+}
+}
 
 cudaError_t cudaGetLastError() {
   simt::Scheduler& s = simt::sched();
@@ -483,6 +635,7 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorMisalignedAddress: return "misaligned address";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
     case cudaErrorNotSupported: return "operation not supported";
   }

@@ -1,14 +1,15 @@
 // Kernels that test the SIMT emulator itself (not the optimizer): shuffles, the block reduction
-// and broadcast of csrc/cuda/multi_tensor_apply.cuh, the scheduling orders, and kernels with bugs
-// the emulator must report (a shared-memory race that the resume order exposes, barriers that can
-// never complete). Launched through FUSEDOPT_LAUNCH_KERNEL like the optimizer's kernels; called by
-// tests/test_cuda_emulated.py through simt_selftest.
+// and broadcast of csrc/cuda/multi_tensor_apply.cuh, the scheduling orders, the vector accesses of
+// the kernels, and kernels with bugs the emulator must report (shared-memory races that the resume
+// orders expose, barriers that can never complete, misaligned vector accesses). Launched through
+// FUSEDOPT_LAUNCH_KERNEL like the optimizer's kernels; called by tests/test_cuda_emulated.py
+// through simt_selftest.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
 
-#include "multi_tensor_apply.cuh"
+#include "lowp.cuh"  // with multi_tensor_apply.cuh
 
 namespace {
 
@@ -64,6 +65,59 @@ __global__ void race_kernel(int* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
+// block_sum's exchange without its __syncthreads: lane 0 of every warp leaves a value in shared
+// memory after a shuffle, and warp 0 reads them all after a second shuffle. A round-robin order
+// releases a shuffle only at the end of a round, in which every warp has written; an order that
+// lets warp 0 get past both shuffles before the other warps run makes it read the previous
+// block's values. out[32 * block + w]: what warp 0 read for warp w (expected 1000 * block + w + 1).
+__global__ void unsynced_sum_kernel(int* out) {
+  __shared__ int warp_values[32];
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int v = __shfl_down_sync(kFull, 1000 * static_cast<int>(blockIdx.x) + warp + 1, 1);
+  if (lane == 0) warp_values[warp] = v;
+  if (warp == 0) {
+    __shfl_down_sync(kFull, lane, 1);  // warp 0 meets once more before it reads
+    const int warps = static_cast<int>(blockDim.x) / 32;
+    out[32 * blockIdx.x + lane] = lane < warps ? warp_values[lane] : 0;
+  }
+}
+
+// block_broadcast without its __syncthreads: thread 0 writes, every thread reads at once.
+// out[block * blockDim + thread]: what the thread read (expected 7 * block + 3).
+__global__ void unsynced_broadcast_kernel(int* out) {
+  __shared__ int value;
+  if (threadIdx.x == 0) value = 7 * static_cast<int>(blockIdx.x) + 3;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = value;
+}
+
+// The kernels' 16-byte vector access (load_group / store_group of multi_tensor_apply.cuh with vec
+// = true): thread t doubles p[4t .. 4t + 3] in place. Faults unless p is 16-byte aligned.
+__global__ void vector_access_kernel(float* p) {
+  float x[4];
+  const int off = 4 * static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  fusedopt::cuda::load_group<4>(x, static_cast<const float*>(p), off, 4, true);
+  for (float& v : x) v *= 2.0f;
+  fusedopt::cuda::store_group<4>(p, x, off, 4, true);
+}
+
+// The vector store alone: thread t writes 4t + 1 .. 4t + 4 to p[4t .. 4t + 3].
+__global__ void vector_store_kernel(float* p) {
+  const int off = 4 * static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const float x[4] = {off + 1.0f, off + 2.0f, off + 3.0f, off + 4.0f};
+  fusedopt::cuda::store_group<4>(p, x, off, 4, true);
+}
+
+// The 8-byte access of 8-bit codes (load_codes / store_codes of lowp.cuh with vec = true):
+// thread t adds 1 to p[8t .. 8t + 7] in place. Faults unless p is 8-byte aligned.
+__global__ void codes_access_kernel(signed char* p) {
+  signed char c[fusedopt::cuda::kLaneElems];
+  const int off = 8 * static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  fusedopt::cuda::load_codes(c, static_cast<const signed char*>(p), off, 8, true);
+  for (signed char& v : c) v = static_cast<signed char>(v + 1);
+  fusedopt::cuda::store_codes(p, c, off, 8, true);
+}
+
 // Thread 3 skips the barrier: the block can never get past it.
 __global__ void divergent_barrier_kernel(int* out) {
   if (threadIdx.x != 3) __syncthreads();
@@ -107,6 +161,18 @@ extern "C" int simt_selftest(const char* which, void* out, void* extra, unsigned
                            static_cast<int*>(extra));
   } else if (w == "race") {
     FUSEDOPT_LAUNCH_KERNEL(race_kernel, grid, block, nullptr, static_cast<int*>(out));
+  } else if (w == "unsynced_sum") {
+    FUSEDOPT_LAUNCH_KERNEL(unsynced_sum_kernel, grid, block, nullptr, static_cast<int*>(out));
+  } else if (w == "unsynced_broadcast") {
+    FUSEDOPT_LAUNCH_KERNEL(unsynced_broadcast_kernel, grid, block, nullptr,
+                           static_cast<int*>(out));
+  } else if (w == "vector_access") {
+    FUSEDOPT_LAUNCH_KERNEL(vector_access_kernel, grid, block, nullptr, static_cast<float*>(out));
+  } else if (w == "vector_store") {
+    FUSEDOPT_LAUNCH_KERNEL(vector_store_kernel, grid, block, nullptr, static_cast<float*>(out));
+  } else if (w == "codes_access") {
+    FUSEDOPT_LAUNCH_KERNEL(codes_access_kernel, grid, block, nullptr,
+                           static_cast<signed char*>(out));
   } else if (w == "divergent_barrier") {
     FUSEDOPT_LAUNCH_KERNEL(divergent_barrier_kernel, grid, block, nullptr, static_cast<int*>(out));
   } else if (w == "two_barriers") {

@@ -9,7 +9,11 @@
 // When all the threads a barrier waits for have arrived, it releases them (a shuffle hands each
 // lane its source lane's value first). A barrier that can never complete (threads exited, or
 // waiting at another barrier) is a fault: the launch stops and reports cudaErrorLaunchFailure,
-// and simt::fault_message() says what happened.
+// and simt::fault_message() says what happened. So is a load or store through a pointer that is
+// not aligned to its type (a 16-byte vector through a pointer 4 bytes past a 16-byte boundary),
+// which faults on the device: the launch stops at once and reports cudaErrorMisalignedAddress.
+// The library is built with -fsanitize=alignment, which checks every access; runtime.cpp defines
+// the functions the failed checks call, without the sanitizer's runtime.
 #pragma once
 
 #include <cstddef>
@@ -32,8 +36,21 @@ inline dim3 block_dim{1, 1, 1};
 inline dim3 grid_dim{1, 1, 1};
 }  // namespace detail
 
-// Orders in which the scheduler resumes runnable fibers (in every round) and runs blocks.
-enum class Order : int { kForward = 0, kReverse = 1, kRandom = 2 };
+// Orders in which the scheduler resumes runnable fibers and runs blocks. kForward, kReverse and
+// kRandom work in rounds: every runnable fiber of the block is resumed once per round, in that
+// order (kRandom: reshuffled every round). The warp-skewed orders (threads only) run one warp at a
+// time, as far as it can go without the others: its fibers are resumed and its shuffles released
+// until each of them has exited or waits at a __syncthreads; then the next warp runs, and the
+// __syncthreads is released once every warp has reached it. kWarpSkew takes warp 0 first and the
+// lanes of a warp from the last one down; kWarpSkewRandom takes the warps and the lanes in a
+// seeded random order, reshuffled every time.
+enum class Order : int {
+  kForward = 0,
+  kReverse = 1,
+  kRandom = 2,
+  kWarpSkew = 3,
+  kWarpSkewRandom = 4,
+};
 
 void set_schedule(Order threads, Order blocks, uint64_t seed);
 
