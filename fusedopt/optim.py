@@ -507,6 +507,11 @@ class _TrustRatioOptimizer(Optimizer):
             if lgs[i].shape != p.shape or not lgs[i].is_contiguous():
                 raise RuntimeError(f"{name}: param group {gi}: the grad of a flat partition must "
                                    f"be contiguous of shape {tuple(p.shape)}")
+            for key, xs in zip(self._state_keys, columns[1:]):
+                if xs[i].shape != p.shape or not xs[i].is_contiguous():
+                    raise ValueError(f"{name}: param group {gi}: state {key!r} of a flat partition "
+                                     f"of shape {tuple(p.shape)} has shape {tuple(xs[i].shape)} (a "
+                                     "state dict of another partitioning?)")
             step = columns[0][i]
             if step is not part.step:  # a new state (first step, load_state_dict)
                 part.steps.copy_(step)

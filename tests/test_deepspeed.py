@@ -254,3 +254,10 @@ def test_flat_partition_refuses_options(world_of_one):
         opt.step()
     assert torch.equal(flat, before[0])
     assert all(torch.equal(v, opt.state[flat][k]) for k, v in before[1].items())
+    opt.param_groups[0]["max_grad_norm"] = None
+    # a state dict of another partitioning (a shorter flat buffer): refused by name, not sliced
+    opt.state[flat]["exp_avg_sq"] = torch.zeros(30)
+    with pytest.raises(ValueError, match="state 'exp_avg_sq' of a flat partition of shape \\(40,\\)"):
+        opt.step()
+    assert torch.equal(flat, before[0])
+    assert all(torch.equal(v, opt.state[flat][k]) for k, v in before[1].items() if k != "exp_avg_sq")
