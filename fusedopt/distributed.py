@@ -1,4 +1,5 @@
-"""Distributed training: sharded trust-ratio norms (FSDP2 / DTensor), ZeRO and DDP helpers.
+"""Distributed training: sharded trust-ratio norms (FSDP2 / DTensor, DeepSpeed ZeRO), ZeRO and DDP
+helpers.
 
 Sharded params (FSDP2 ``fully_shard``, or any DTensor with a ``Shard`` placement)
 ------------------------------------------------------------------------------------
@@ -30,6 +31,13 @@ each rank whole tensors, so trust-ratio norms are local and need no communicatio
 is different: each rank's optimizer sees only the gradients it owns, so ``max_grad_norm`` would clip
 by a per-rank norm. :func:`enable_zero_global_clipping` makes it all-reduce the total (one
 collective per step).
+
+DeepSpeed ZeRO
+--------------
+ZeRO stages 1 and 2 hand the optimizer one flat float32 piece per param group and rank, cut
+across tensor boundaries. :func:`enable_deepspeed_zero` registers where each tensor's piece lies;
+the optimizer then steps each piece as a row (Note [flat partitions] in fusedopt/optim.py) and
+:class:`_PartitionReducer` completes each tensor's sums with one all-reduce per step call.
 
 DDP
 ---
