@@ -6,7 +6,7 @@ fusedopt optimizer (inside each worker, on full tensors), and reports how far ap
 """
 from __future__ import annotations
 
-import copy
+import importlib.util
 import os
 import sys
 
@@ -66,12 +66,12 @@ def config(stage: int, gas: int = 1, bf16: bool = False, offload: bool = False) 
     return cfg
 
 
-def engine_for(kind, backend, cfg, enable=True, **opt_extra):
+def engine_for(kind, backend, cfg, enable=True, model_of=None, **opt_extra):
     import deepspeed
 
     import fusedopt.distributed
 
-    model = make_model()
+    model = (model_of or make_model)()
     if "bf16" in cfg:
         model = model.to(torch.bfloat16)
     opt = make_opt(kind, model, backend, **opt_extra)
@@ -81,26 +81,26 @@ def engine_for(kind, backend, cfg, enable=True, **opt_extra):
     return engine, opt
 
 
-def train(ctx, engine, steps, first=0):
+def train(ctx, engine, steps, first=0, data=None):
     rank, gas = ctx["rank"], engine.gradient_accumulation_steps()
     micro = GLOBAL_BATCH // (dist_utils.WORLD * gas)
     for step in range(first, first + steps):
-        x, y = batch(step)
+        x, y = (data or batch)(step)
         # rank r's micro-batches: one contiguous slice of the global batch each
-        xs, ys = x.view(dist_utils.WORLD, gas, micro, -1)[rank], y.view(dist_utils.WORLD, gas, micro)[rank]
+        xs, ys = x.view(dist_utils.WORLD, gas, micro, *x.shape[1:])[rank], y.view(dist_utils.WORLD, gas, micro)[rank]
         for k in range(gas):
             loss = torch.nn.functional.cross_entropy(engine(xs[k]), ys[k])
             engine.backward(loss)
             engine.step()
 
 
-def reference(kind, backend, steps):
+def reference(kind, backend, steps, model_of=None, data=None):
     """The same training in one process: full global batch, the mean loss."""
-    model = make_model()
+    model = (model_of or make_model)()
     init = [p.detach().clone() for p in model.parameters()]
     opt = make_opt(kind, model, backend)
     for step in range(steps):
-        x, y = batch(step)
+        x, y = (data or batch)(step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -132,6 +132,54 @@ def matches(ctx, kind, backend, stage, gas=1, offload=False, disabled_too=True):
         out["enabled" if enable else "disabled"] = apart(init, ref, engine.module.parameters())
         if enable:
             out["collectives"] = [dict(c) for c in calls]
+    return out
+
+
+def make_bert() -> torch.nn.Module:
+    """A tiny BERT classifier (transformers): 57 tensors, several of them cut between ranks."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                     intermediate_size=96, max_position_embeddings=32, num_labels=5,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(cfg)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(input_ids=x).logits
+
+    return Logits(model)
+
+
+def bert_batch(step: int):
+    g = torch.Generator().manual_seed(300 + step)
+    return (torch.randint(0, 300, (GLOBAL_BATCH, 12), generator=g),
+            torch.randint(0, 5, (GLOBAL_BATCH,), generator=g))
+
+
+# In exact arithmetic an attention key bias gets no gradient (the softmax ignores a shift of
+# its scores); what reaches it is rounding, and its "updates" are noise that no two summation
+# orders share, so the comparison leaves these tensors out.
+NOISE_ONLY = "attention.self.key.bias"
+
+
+def bert(ctx, kind, backend, stage):
+    """matches() on a tiny BERT: every tensor but the attention key biases."""
+    init, ref = reference(kind, backend, STEPS, make_bert, bert_batch)
+    names = [n for n, _ in make_bert().named_parameters()]
+    keep = [i for i, n in enumerate(names) if NOISE_ONLY not in n]
+    out = {"tensors": len(names), "compared": len(keep)}
+    for enable in (True, False):
+        engine, _ = engine_for(kind, backend, config(stage), enable=enable, model_of=make_bert)
+        train(ctx, engine, STEPS, data=bert_batch)
+        got = list(engine.module.parameters())
+        out["enabled" if enable else "disabled"] = apart(
+            [init[i] for i in keep], [ref[i] for i in keep], [got[i] for i in keep])
     return out
 
 
@@ -291,6 +339,9 @@ def scenarios(backends):
         out.append((f"offload-zero{stage}-{be}", matches, ("lamb", be, stage, 1, True, False)))
     out.append((f"resume-lars-{be}", resume, ("lars", be, 1, True)))
     out.append(("doc-block", doc_block, ()))
+    if importlib.util.find_spec("transformers") is not None:
+        out.append((f"bert-zero2-lamb-{be}", bert, ("lamb", be, 2)))
+        out.append((f"bert-zero1-lars-{be}", bert, ("lars", be, 1)))
     out.append((f"skip-nonfinite-{be}", skip_nonfinite, (be,)))
     return out
 
