@@ -282,6 +282,44 @@ def test_tensor_lr_steps_without_a_host_sync(kind, lr_dtype, lr_device):
     assert all(torch.equal(x, y) for x, y in zip(got, expect))
 
 
+two_gpus = pytest.mark.skipif(SKIP is not None or torch.cuda.device_count() < 2,
+                              reason=str(SKIP or "needs a second CUDA device"))
+
+
+@two_gpus
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_a_second_device(kind, backend):
+    """Params on cuda:1 while cuda:0 is the current device: the step launches on the params'
+    device (its tables, scalars and a device tensor lr there), without a host sync, and gives the
+    bits of the same steps on cuda:0."""
+    if backends.get_backend(backend) is None:
+        pytest.skip(f"backend {backend!r} is not available: {backends.load_error(backend)}")
+
+    def run(device, sync_mode="default"):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in SHAPES]
+        opt = _optimizer(kind, params, backend=backend, max_grad_norm=1.0,
+                         lr=torch.tensor(0.05, device=device))
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(device)
+            if step:
+                torch.cuda.synchronize(device)
+                torch.cuda.set_sync_debug_mode(sync_mode)
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [p.detach().cpu() for p in params]
+
+    with torch.cuda.device(0):
+        expect = run(torch.device("cuda", 0))
+        got = run(torch.device("cuda", 1), "error")
+    assert all(torch.equal(x, y) for x, y in zip(got, expect))
+
+
 @gpu
 def test_cpu_tensor_lr_is_refused_in_a_capture():
     params = _params(SHAPES)
