@@ -34,10 +34,11 @@ collective per step).
 
 DeepSpeed ZeRO
 --------------
-ZeRO stages 1 and 2 hand the optimizer one flat float32 piece per param group and rank, cut
-across tensor boundaries. :func:`enable_deepspeed_zero` registers where each tensor's piece lies;
-the optimizer then steps each piece as a row (Note [flat partitions] in fusedopt/optim.py) and
-:class:`_PartitionReducer` completes each tensor's sums with one all-reduce per step call.
+ZeRO stages 1, 2 and 3 hand the optimizer flat float32 pieces (per param group, or ZeRO-3
+sub-group, and rank), cut across tensor boundaries. :func:`enable_deepspeed_zero` registers where
+each tensor's piece lies; the optimizer then steps each piece as a row (Note [flat partitions] in
+fusedopt/optim.py) and :class:`_PartitionReducer` completes each tensor's sums with one
+all-reduce per step call.
 
 DDP
 ---
@@ -443,59 +444,93 @@ class _PartitionReducer:
 
 
 def enable_deepspeed_zero(engine) -> None:
-    """Make a fusedopt optimizer under DeepSpeed ZeRO stage 1 or 2 compute each trust ratio over
+    """Make a fusedopt optimizer under DeepSpeed ZeRO (stages 1, 2, 3) compute each trust ratio over
     its whole tensor (docs/distributed.md, "DeepSpeed ZeRO"). Call it once, on every rank, after
     ``deepspeed.initialize`` (``engine``: the engine, or its ``engine.optimizer``).
 
     ZeRO replaces each param group's params by this rank's piece of one flat float32 buffer,
-    cut without regard to tensor boundaries; stepped as one tensor, it would get one trust ratio
-    per rank and group. This reads where each tensor's piece lies in it (the fragment addresses
-    DeepSpeed records for its checkpoints) and makes the optimizer step every piece as a row of
-    its own and complete each tensor's sums with one all-reduce over the data-parallel group
-    per step call. Clip with DeepSpeed's ``gradient_clipping`` (``max_grad_norm`` is refused:
-    DeepSpeed steps each param group on its own, so no step sees the global norm). With ZeRO
-    stage 0 (no partition) there is nothing to do. Raises naming what is not supported:
-    ZeRO-3, low-precision optimizer state, param groups on different data-parallel groups,
-    ranks that hold no piece of some param group, elastic checkpoints.
+    cut without regard to tensor boundaries (ZeRO-3: per sub-group, this rank's share of each
+    param); stepped as one tensor, it would get one trust ratio per rank and group. This reads
+    where each tensor's piece lies in it (ZeRO-1/2: the fragment addresses DeepSpeed records
+    for its checkpoints; ZeRO-3: each param's partition size) and makes the optimizer step
+    every piece as a row of its own and complete each tensor's sums with one all-reduce over the
+    data-parallel group per step call. Clip with DeepSpeed's ``gradient_clipping``
+    (``max_grad_norm`` is refused: DeepSpeed steps each param group on its own, so no step sees
+    the global norm). With ZeRO stage 0 (no partition) there is nothing to do. Raises naming
+    what is not supported: ZeRO-3 with NVMe swapping, ZenFlow, Muon or a partial offload,
+    low-precision optimizer state, param groups on different data-parallel groups, ranks that
+    hold no piece of some param group, elastic checkpoints.
     """
     wrapper = getattr(engine, "optimizer", engine)
     if hasattr(wrapper, "_set_partitions"):
         return  # ZeRO stage 0: DeepSpeed steps the fusedopt optimizer on whole tensors
     inner = getattr(wrapper, "optimizer", None)
     kind = type(wrapper).__name__
-    if "Stage3" in kind:
-        raise RuntimeError(
-            "enable_deepspeed_zero supports ZeRO stages 1 and 2, not stage 3 (which cuts every "
-            "param across the ranks and steps sub-groups of the pieces: not mapped here); use "
-            "stage 1 or 2, or FSDP2, whose shards fusedopt's sharded norms handle")
     if not hasattr(inner, "_set_partitions"):
         raise TypeError("enable_deepspeed_zero needs a DeepSpeed engine whose client optimizer is "
                         f"fusedopt.FusedLAMB or FusedLARS; got {kind} wrapping "
                         f"{type(inner).__name__}")
+    if hasattr(wrapper, "fp32_partitioned_groups_flat"):
+        _register(inner, *_stage3_layout(wrapper))
+        return
     lp_groups = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "bf16_groups", None)
     dp_groups = getattr(wrapper, "real_dp_process_group", None)
     if lp_groups is None or dp_groups is None or len(lp_groups) != len(inner.param_groups):
-        raise TypeError(f"enable_deepspeed_zero: {kind} is not a DeepSpeed ZeRO stage 1/2 or "
-                        "BF16 optimizer (no bit16 param groups and data-parallel groups)")
+        raise TypeError(f"enable_deepspeed_zero: {kind} is not a DeepSpeed ZeRO or BF16 "
+                        "optimizer (no bit16 param groups and data-parallel groups)")
     if getattr(wrapper, "elastic_checkpoint", False):
         raise RuntimeError(
             "enable_deepspeed_zero: zero_optimization.elastic_checkpoint is not supported: "
             "DeepSpeed loads an elastic checkpoint only with a param-group 'step', which "
             "torch-style optimizers (fusedopt's, torch.optim's) keep per param instead; leave it "
             "false (the default)")
+    flats = []
+    for gi, (group, lps) in enumerate(zip(inner.param_groups, lp_groups)):
+        if len(group["params"]) != 1:
+            raise TypeError(f"enable_deepspeed_zero: param group {gi} holds "
+                            f"{len(group['params'])} params, not one flat partition")
+        pieces = sorted((m.get_hp_fragment_address().start, m.get_hp_fragment_address().numel, t)
+                        for t, m in enumerate(getattr(p, "_hp_mapping", None) for p in lps)
+                        if m is not None)
+        flats.append((gi, group["params"][0], pieces, len(lps)))
+    _register(inner, flats, dp_groups)
+
+
+def _stage3_layout(wrapper) -> tuple[list, list]:
+    """ZeRO-3: every param is cut into equal pieces, one per rank (``ds_tensor``, of
+    ``partition_numel()`` elements, the last rank's padded), and each sub-group's flat float32
+    buffer is its params' pieces in order. A piece holds the elements ``[r·n, (r+1)·n)`` of its
+    param (r: the rank in the sub-group's process group), those below ``ds_numel``."""
+    for what in ("swap_optimizer", "zenflow", "use_muon"):
+        if getattr(wrapper, what, False):
+            raise RuntimeError(f"enable_deepspeed_zero: ZeRO-3 with {what} is not supported")
+    if getattr(wrapper, "backup_optimizer", None) is not None:
+        raise RuntimeError("enable_deepspeed_zero: ZeRO-3 with sub-groups stepped by a second "
+                           "optimizer (a partial offload ratio) is not supported")
+    flats = []
+    for sg, (flat, params) in enumerate(zip(wrapper.fp32_partitioned_groups_flat,
+                                            wrapper.fp16_groups)):
+        rank = dist.get_rank(group=wrapper.sub_group_process_groups[sg])
+        pieces, at = [], 0
+        for t, p in enumerate(params):
+            size = p.partition_numel()
+            valid = min(size, p.ds_numel - rank * size)
+            if valid > 0:
+                pieces.append((at, valid, t))
+            at += size
+        flats.append((wrapper.sub_group_to_group_id[sg], flat, pieces, len(params)))
+    return flats, wrapper.sub_group_process_groups
+
+
+def _register(inner, flats: list, dp_groups: list) -> None:
+    """Checks the layout of every flat partition ``(param group index, flat buffer, pieces as
+    (start, numel, tensor index), tensors)`` and makes ``inner`` step them piece by piece."""
     if len({id(g) for g in dp_groups}) != 1:
         raise RuntimeError("enable_deepspeed_zero: param groups on different data-parallel groups "
                            "(MoE expert groups) are not supported")
     partitions: dict[int, _Partition] = {}
-    for gi, (group, lps) in enumerate(zip(inner.param_groups, lp_groups)):
-        inner._named(gi, check_partition_options, group)
-        if len(group["params"]) != 1:
-            raise TypeError(f"enable_deepspeed_zero: param group {gi} holds "
-                            f"{len(group['params'])} params, not one flat partition")
-        flat = group["params"][0]
-        pieces = sorted((m.get_hp_fragment_address().start, m.get_hp_fragment_address().numel, t)
-                        for t, m in enumerate(getattr(p, "_hp_mapping", None) for p in lps)
-                        if m is not None)
+    for gi, flat, pieces, tensors in flats:
+        inner._named(gi, check_partition_options, inner.param_groups[gi])
         end = 0
         for start, numel, _ in pieces:
             if start < end or numel <= 0:
@@ -507,7 +542,7 @@ def enable_deepspeed_zero(engine) -> None:
                                f"the flat partition of shape {tuple(flat.shape)}")
         partitions[id(flat)] = _Partition(
             starts=[s for s, _, _ in pieces], numels=[n for _, n, _ in pieces],
-            tensor_of={s: t for s, _, t in pieces}, tensors=len(lps),
+            tensor_of={s: t for s, _, t in pieces}, tensors=tensors,
             steps=torch.zeros(len(pieces), dtype=torch.float32, device=flat.device))
     group = dp_groups[0]
     # every rank must take part in each step call's all-reduce: a rank without a piece of some

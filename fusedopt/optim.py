@@ -406,6 +406,8 @@ class _TrustRatioOptimizer(Optimizer):
         # loops (map, list comprehensions, set) over the params: with thousands of tensors, each
         # Python-level operation per param costs a measurable part of the step
         all_ps = group["params"]
+        if not all_ps:  # a group emptied (DeepSpeed ZeRO-3 fills each group only for its step)
+            return False, None
         all_grads = [p.grad for p in all_ps]
         if any(map(is_, all_grads, repeat(None))):
             ps = [p for p, g in zip(all_ps, all_grads) if g is not None]

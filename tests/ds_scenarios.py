@@ -268,21 +268,28 @@ def resume(ctx, kind, backend, stage, enable_after_load=False):
 
         fusedopt.distributed.enable_deepspeed_zero(b)
     train(ctx, b, 2, first=2)
-    params = max(float((p - q).abs().max()) for p, q in zip(a.module.parameters(), b.module.parameters()))
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = max(float((safe_get_full_fp32_param(p) - safe_get_full_fp32_param(q)).abs().max())
+                 for p, q in zip(a.module.parameters(), b.module.parameters()))
     state = 0.0
-    for ga, gb in zip(opt_a.param_groups, opt_b.param_groups):
-        sa, sb = opt_a.state[ga["params"][0]], opt_b.state[gb["params"][0]]
+    for fa, fb in zip(flat_partitions(a), flat_partitions(b)):
+        sa, sb = opt_a.state[fa], opt_b.state[fb]
         state = max([state, *(float((sa[k] - sb[k]).abs().max()) for k in sa)])
-    steps = [float(opt_b.state[g["params"][0]]["step"]) for g in opt_b.param_groups]
+    steps = [float(opt_b.state[f]["step"]) for f in flat_partitions(b)]
     return {"params": params, "state": state, "steps": steps}
+
+
+def flat_partitions(engine) -> list:
+    """The flat float32 partitions the fusedopt optimizer steps (ZeRO-3 puts each into its group
+    only for its step)."""
+    zero = engine.optimizer
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+    return list(flats) if flats is not None else [g["params"][0] for g in zero.optimizer.param_groups]
 
 
 def refusals(ctx, backend):
     """What enable_deepspeed_zero and a step refuse, and that a refused step changes nothing."""
-    import deepspeed
-
-    import fusedopt.distributed
-
     out = {}
     for name, extra in (("max_grad_norm", dict(max_grad_norm=1.0)),
                         ("state_precision", dict(state_precision="bf16", state_min_numel=0))):
@@ -312,14 +319,6 @@ def refusals(ctx, backend):
         out["elastic_checkpoint"] = "accepted"
     except (ValueError, RuntimeError, TypeError) as e:
         out["elastic_checkpoint"] = f"{type(e).__name__}: {e}"
-    model = make_model()
-    engine3, _, _, _ = deepspeed.initialize(model=model, optimizer=make_opt("lamb", model, backend),
-                                            config=config(3))
-    try:
-        fusedopt.distributed.enable_deepspeed_zero(engine3)
-        out["stage3"] = "accepted"
-    except (ValueError, RuntimeError, TypeError) as e:
-        out["stage3"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -327,14 +326,18 @@ def scenarios(backends):
     out = []
     for be in backends:
         for kind in KINDS:
-            for stage in (1, 2):
+            for stage in (1, 2, 3):
                 out.append((f"zero{stage}-{kind}-{be}", matches, (kind, be, stage)))
         out.append((f"gas-{be}", matches, ("lamb", be, 2, 2, False, False)))
         out.append((f"resume-lamb-{be}", resume, ("lamb", be, 2)))
         out.append((f"refusals-{be}", refusals, (be,)))
     be = backends[0]
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         out.append((f"bf16-zero{stage}-{be}", same_grads, ("lamb", be, stage)))
+    out.append((f"resume-zero3-{be}", resume, ("lamb", be, 3)))
+    # ZeRO-3 with offload_optimizer matches alone (3.6e-6), but after the engines of the other
+    # scenarios in the same process DeepSpeed's own all-gather of persistent params times out
+    # in its step: left out here
     for stage in (1, 2):
         out.append((f"offload-zero{stage}-{be}", matches, ("lamb", be, stage, 1, True, False)))
     out.append((f"resume-lars-{be}", resume, ("lars", be, 1, True)))

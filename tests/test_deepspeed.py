@@ -1,8 +1,8 @@
-"""fusedopt under DeepSpeed ZeRO stages 1 and 2 (fusedopt.distributed.enable_deepspeed_zero).
+"""fusedopt under DeepSpeed ZeRO stages 1, 2 and 3 (fusedopt.distributed.enable_deepspeed_zero).
 
 One job of 2 gloo processes on CPU (tests/ds_scenarios.py, DS_ACCELERATOR=cpu) runs every
 scenario; the tests read its per-rank results. ZeRO hands the optimizer one flat float32 piece per
-param group and rank, cut across tensor boundaries (the model's second weight and its 1-D group
+param group (ZeRO-3: per sub-group) and rank, cut across tensor boundaries (the model's second weight and its 1-D group
 are cut between the ranks). Each scenario also runs without enable_deepspeed_zero, which must be
 far off: the comparison can see a wrong trust ratio.
 """
@@ -55,16 +55,17 @@ def results(job, name: str) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("kind", list(ds_scenarios.KINDS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_matches_one_process(job, backend, kind, stage):
-    """4 steps of ZeRO-1/2 on 2 ranks (two param groups, tensors cut between ranks) equal 4
+    """4 steps of ZeRO-1/2/3 on 2 ranks (two param groups, tensors cut between ranks) equal 4
     steps of one process on the same global batch; without the call they do not."""
     for r in results(job, f"zero{stage}-{kind}-{backend}"):
         assert r["enabled"] < REL, r
         assert r["disabled"] > 100 * REL, r
-        # DeepSpeed calls step() once per param group (2 groups, 4 steps): one all-reduce each
+        # DeepSpeed calls step() once per param group (ZeRO-3: per sub-group, here one per
+        # group; 2 groups, 4 steps): one all-reduce each
         assert r["collectives"] == [{"gloo:all_reduce": 1}] * (2 * ds_scenarios.STEPS), r
 
 
@@ -93,20 +94,21 @@ def test_offload_optimizer_to_cpu(job, stage):
         assert r["enabled"] < REL, r
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_masters(job, stage):
-    """bf16 model (stage 1: DeepSpeed's BF16_Optimizer; stage 2: the ZeRO optimizer): the float32
+    """bf16 model (stage 1: DeepSpeed's BF16_Optimizer; 2 and 3: the ZeRO optimizers): the float32
     masters equal, bit for bit, one process stepping float32 copies with DeepSpeed's gradients."""
     for r in results(job, f"bf16-zero{stage}-{BACKENDS[0]}"):
         assert r["enabled"] == 0.0, r
         assert r["disabled"] > 100 * REL, r
 
 
-@pytest.mark.parametrize("name", [f"resume-lamb-{b}" for b in BACKENDS] + [f"resume-lars-{BACKENDS[0]}"])
+@pytest.mark.parametrize("name", [f"resume-lamb-{b}" for b in BACKENDS]
+                         + [f"resume-lars-{BACKENDS[0]}", f"resume-zero3-{BACKENDS[0]}"])
 def test_checkpoint_resumes_bit_for_bit(job, name):
     """engine.save_checkpoint after 2 steps, load_checkpoint into a fresh engine: the next 2
     steps give the same params and optimizer state, bit for bit, and step counts of 4 (LAMB:
-    enable_deepspeed_zero before load_checkpoint; LARS, ZeRO-1: after it)."""
+    enable_deepspeed_zero before load_checkpoint, ZeRO-2 and ZeRO-3; LARS, ZeRO-1: after it)."""
     for r in results(job, name):
         assert r["params"] == 0.0 and r["state"] == 0.0, r
         assert r["steps"] == [4.0, 4.0], r
@@ -134,7 +136,6 @@ def test_refusals(job, backend):
         # set after enable_deepspeed_zero: the step refuses it and changes nothing
         assert r["late_max_grad_norm"].startswith("ValueError"), r
         assert r["unchanged"] is True
-        assert r["stage3"].startswith("RuntimeError") and "stage 3" in r["stage3"]
         assert r["elastic_checkpoint"].startswith("RuntimeError"), r
         assert "elastic_checkpoint" in r["elastic_checkpoint"]
 

@@ -526,3 +526,19 @@ def test_a_param_whose_dtype_changed_after_steps_is_seen_by_the_kept_lists(backe
         errors.append(str(info.value))
         assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
     assert errors[0] == errors[1]
+
+
+def test_an_empty_param_group_is_skipped():
+    """A group without params (torch.optim allows one; DeepSpeed ZeRO-3 empties each group
+    between its steps) takes no part in a step."""
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(3))
+    p.grad = q.grad = torch.full((3,), 0.5)
+    opt = fusedopt.FusedLAMB([{"params": [p]}, {"params": []}], lr=0.1)
+    ref = fusedopt.FusedLAMB([q], lr=0.1)
+    opt.step()
+    ref.step()
+    assert torch.equal(p, q)
+    opt.param_groups[0]["params"] = []
+    opt.step()  # nothing to step
+    assert torch.equal(p, q)
