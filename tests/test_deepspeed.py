@@ -274,3 +274,33 @@ def test_flat_partition_refuses_options(world_of_one):
         opt.step()
     assert torch.equal(flat, before[0])
     assert all(torch.equal(v, opt.state[flat][k]) for k, v in before[1].items() if k != "exp_avg_sq")
+
+
+def _stage3_wrapper(opt, flat, sizes, **flags):
+    """A stand-in for DeepSpeed's ZeRO-3 optimizer over one sub-group of params of ``sizes``
+    (one rank: each piece is the whole param, laid out one after another)."""
+    params = [types.SimpleNamespace(ds_numel=n, partition_numel=lambda n=n: n) for n in sizes]
+    return types.SimpleNamespace(optimizer=opt, fp32_partitioned_groups_flat=[flat],
+                                 fp16_groups=[params], sub_group_to_group_id={0: 0},
+                                 sub_group_process_groups=[dist.group.WORLD], **flags)
+
+
+def test_zero3_layout_steps_each_tensor(world_of_one):
+    """ZeRO-3's sub-group buffer (each param's piece after the other) is stepped tensor by tensor,
+    bit for bit as the tensors apart; then the refused ZeRO-3 variants, each by name."""
+    flat, apart, opt, opt_apart, gen = _flat_setup("cpp")
+    opt._set_partitions({})  # registered again below through the ZeRO-3 layout
+    sizes = [math.prod(s) for s in SHAPES]
+    wrapper = _stage3_wrapper(opt, flat, sizes)
+    enable_deepspeed_zero(types.SimpleNamespace(optimizer=wrapper))
+    for _ in range(3):
+        _grads(flat, apart, gen)
+        opt.step()
+        opt_apart.step()
+        for got, want in zip(_pieces(flat), apart):
+            assert torch.equal(got, want.detach())
+    for flag, value in (("swap_optimizer", True), ("zenflow", True), ("use_muon", True),
+                        ("backup_optimizer", object())):
+        w = _stage3_wrapper(fusedopt.FusedLAMB([flat], lr=0.1), flat, sizes, **{flag: value})
+        with pytest.raises(RuntimeError, match="ZeRO-3 with"):
+            enable_deepspeed_zero(types.SimpleNamespace(optimizer=w))
