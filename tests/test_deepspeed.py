@@ -23,8 +23,8 @@ import fusedopt
 from fusedopt.distributed import enable_deepspeed_zero
 
 # distance from one process, in units of the largest change the steps made to each tensor:
-# float32 rounding of the gradient averaging, carried through 4 steps (measured 4e-6 without and
-# 4e-5 with accumulation; a per-partition trust ratio gives 0.65 and more)
+# float32 rounding of the gradient averaging, carried through 4 steps, is far below it; a trust
+# ratio per partition instead of per tensor is far above (docs/distributed.md gives both)
 REL = 2e-4
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

@@ -129,8 +129,8 @@ def test_wide_tuning_finds_the_known_best_lr_inside_the_grid(best_m):
 
 
 def test_wide_tuning_with_the_whole_rule_grid_diverging():
-    # the large-batch case of issue 33: x1/2 stuck, x1 and x2 diverge, the best LR is 1/8 of
-    # the rule's; the rule-only grid finds nothing, the wide search finds it, interior
+    # a large batch where the rule's LR is far off: x1/2 stuck, x1 and x2 diverge, the best LR
+    # is 1/8 of the rule's; the rule-only grid finds nothing, the wide search finds it, interior
     obj = _objective(0.125, diverge_above=0.6, stuck=(0.5,))
     rule = tuner.search_lr(obj, (0.5, 1.0, 2.0), widen=False)
     assert not rule["found"] and rule["multiplier"] == 1.0

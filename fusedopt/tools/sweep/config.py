@@ -78,8 +78,7 @@ SWEEP: dict[str, Any] = dict(
 )
 
 # --quick: a look at the shape in a fraction of the default's time (the smallest batches are the
-# slowest runs, so it starts at 64, every factor 4; one tuning seed, shorter probes). About 40 s
-# on 2 cores with the wide tuning (batches 32, 128, 512, full took 59 s).
+# slowest runs, so it starts at 64, every factor 4; one tuning seed, shorter probes).
 QUICK: dict[str, Any] = dict(batches=(64, 256, 1024, "full"), tune_seeds=(100,), probe_windows=2,
                              bootstrap=200)
 
