@@ -35,7 +35,7 @@ The machinery
 * :func:`two_group_optimizer`, :func:`snapshot`, :func:`changed`: what the bad-input rows build on
   and how a refused call is seen to have changed nothing (params, grads, every state entry, bit
   for bit).
-* :func:`case_inputs`, :func:`case_reference`, :func:`run_reference_steps`,
+* :func:`case_inputs`, :func:`case_reference`,
   :func:`misaligned_like`, :func:`state_tensors`, :func:`bit_mismatches`: what the self-check's
   protocol rows (misaligned and large tensors, GradScaler, a tensor lr) build on.
 """
@@ -64,7 +64,7 @@ __all__ = [
     "CaseResult", "RunCache", "judge", "run_case", "one_line",
     "Trial", "BadInput", "BAD_INPUTS", "BAD_OPTIONS", "two_group_optimizer", "snapshot",
     "changed", "unchanged",
-    "case_inputs", "case_reference", "run_reference_steps", "misaligned_like", "state_tensors",
+    "case_inputs", "case_reference", "misaligned_like", "state_tensors",
     "bit_mismatches",
 ]
 
@@ -386,16 +386,23 @@ def run_optimizer(kind: str, backend: str, options: dict, inputs: Inputs, *, dev
     return params, opt
 
 
-def run_reference(kind: str, options: dict, inputs: Inputs, *, excluded=(), lr=None):
+def run_reference(kind: str, options: dict, inputs: Inputs, *, excluded=(), lr=None, lrs=None,
+                  device="cpu") -> list[torch.Tensor]:
     """The float64 reference stepped over ``inputs`` (from the stored, rounded values); returns
-    its weights."""
-    lr = LR[kind] if lr is None else lr
+    its weights, on ``device``. ``lr``: the learning rate of every step (default :data:`LR`);
+    ``lrs``: one per step instead."""
+    steps = inputs.steps
+    lrs = [LR[kind] if lr is None else lr] * steps if lrs is None else list(lrs)
+    if len(lrs) != steps:
+        raise ValueError(f"lrs holds {len(lrs)} learning rates for {steps} steps")
     groups = _group_indices(len(inputs.init), excluded)
-    hyper = [{**options, "lr": lr, **(EXCLUDED_OPTIONS if gi else {})}
-             for gi in range(len(groups))]
-    ref = REFERENCES[kind](hyper)
-    weights = [t.to(torch.float64, copy=True) for t in inputs.init]
-    for gs in inputs.grads:
+    ref = REFERENCES[kind]([{**options, "lr": lrs[0], **(EXCLUDED_OPTIONS if gi else {})}
+                            for gi in range(len(groups))])
+    weights = [t.to(device, torch.float64, copy=True) for t in inputs.init]
+    for step_lr, gs in zip(lrs, inputs.grads):
+        for h in ref.groups:
+            h["lr"] = step_lr
+        gs = [g.to(device) for g in gs]
         ref.step([[weights[i] for i in idx] for idx in groups],
                  [[gs[i] for i in idx] for idx in groups])
     return weights
@@ -626,8 +633,7 @@ def run_case(case: OptionCase, backend: str, device, dtype: DtypeCase,
         result.status, result.detail = "skip", str(why)
         return result
     inputs = _inputs(cache, cs, dtype)
-    ref = cache.get("reference", (cs, case, dtype.param, dtype.grad),
-                    lambda: run_reference(case.kind, case.options, inputs, excluded=cs.excluded))
+    ref = case_reference(cache, cs, case, dtype)
     try:
         got, masters = _run(cs, case, backend, device, dtype, inputs)
     except Exception as e:  # noqa: BLE001 - a backend that raises is a failed case
@@ -1097,32 +1103,11 @@ def case_inputs(cache: RunCache, cs: CaseSet, dtype: DtypeCase) -> Inputs:
 
 
 def case_reference(cache: RunCache, cs: CaseSet, case: OptionCase, dtype: DtypeCase) -> list:
-    """The float64 reference weights :func:`run_case` judges ``case`` by (the same cache entry:
-    the key and the call are run_case's)."""
+    """The float64 reference weights :func:`run_case` judges ``case`` by (one cache entry per
+    case set, case and dtypes)."""
     inputs = _inputs(cache, cs, dtype)
     return cache.get("reference", (cs, case, dtype.param, dtype.grad),
                      lambda: run_reference(case.kind, case.options, inputs, excluded=cs.excluded))
-
-
-def run_reference_steps(kind: str, options: dict, inputs: Inputs, *, excluded=(), lrs=None,
-                        device="cpu") -> list[torch.Tensor]:
-    """:func:`run_reference` with the learning rate of each step given (``lrs``: one per step of
-    ``inputs``; None: :data:`LR` throughout) and the float64 weights on ``device``."""
-    steps = inputs.steps
-    lrs = [LR[kind]] * steps if lrs is None else list(lrs)
-    if len(lrs) != steps:
-        raise ValueError(f"lrs holds {len(lrs)} learning rates for {steps} steps")
-    groups = _group_indices(len(inputs.init), excluded)
-    ref = REFERENCES[kind]([{**options, "lr": lrs[0], **(EXCLUDED_OPTIONS if gi else {})}
-                            for gi in range(len(groups))])
-    weights = [t.to(device, torch.float64, copy=True) for t in inputs.init]
-    for lr, gs in zip(lrs, inputs.grads):
-        for h in ref.groups:
-            h["lr"] = lr
-        gs = [g.to(device) for g in gs]
-        ref.step([[weights[i] for i in idx] for idx in groups],
-                 [[gs[i] for i in idx] for idx in groups])
-    return weights
 
 
 def misaligned_like(t: torch.Tensor, offset: int = 1) -> torch.Tensor:

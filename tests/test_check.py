@@ -472,14 +472,15 @@ def test_protocol_helpers():
     assert testing.bit_mismatches([a, a], [a]) == 3
     inputs = testing.make_inputs(testing.SHAPES_SMALL, 3, zero_weight=1)
     opts = testing.option_case("lars", "mixed").options
-    constant = testing.run_reference_steps("lars", opts, inputs, excluded=(5,))
+    constant = testing.run_reference("lars", opts, inputs, excluded=(5,),
+                                     lrs=[testing.LR["lars"]] * 3)
     assert testing.bit_mismatches(constant, testing.run_reference("lars", opts, inputs,
                                                                   excluded=(5,))) == 0
-    halved = testing.run_reference_steps("lars", opts, inputs, excluded=(5,),
-                                         lrs=[testing.LR["lars"] / 2] * 3)
+    halved = testing.run_reference("lars", opts, inputs, excluded=(5,),
+                                   lrs=[testing.LR["lars"] / 2] * 3)
     assert testing.max_rel_err(halved, constant) > 1e-3
     with pytest.raises(ValueError, match="2 learning rates for 3 steps"):
-        testing.run_reference_steps("lars", opts, inputs, lrs=[0.1, 0.1])
+        testing.run_reference("lars", opts, inputs, lrs=[0.1, 0.1])
 
 
 # ------------------------------------------------------------------- bench/bench_triton_gpu.py

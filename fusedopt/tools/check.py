@@ -552,7 +552,7 @@ def _large(ctx: _Ctx) -> list:
     # seconds faster for a tensor of 16M elements)
     ref_dev = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
     ref = ctx.cache.get("reference", ("large", shapes, steps, ctx.case, str(ref_dev)),
-                        lambda: testing.run_reference_steps(ctx.kind, ctx.case.options, inputs,
+                        lambda: testing.run_reference(ctx.kind, ctx.case.options, inputs,
                                                             device=ref_dev))
     with _interpreted_reduce_block(ctx):
         if ctx.backend == "cpp" and ctx.device.type == "cpu":
@@ -669,7 +669,7 @@ def _tensor_lr(on_cpu: bool):
         params, opt = _stepped(ctx, inputs, lr=lr, before=lambda k, o, p: lr.fill_(lrs[k]))
         ref = ctx.cache.get(
             "reference", ("lr schedule", ctx.cs, ctx.case),
-            lambda: testing.run_reference_steps(ctx.kind, ctx.case.options, inputs,
+            lambda: testing.run_reference(ctx.kind, ctx.case.options, inputs,
                                                 excluded=ctx.cs.excluded, lrs=lrs))
         return [_bits("the same steps with the lr a float", _outputs(params, opt), floats),
                 _rel(params, ref)]
