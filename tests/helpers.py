@@ -129,3 +129,20 @@ LARS_HYPER_ST = st.fixed_dictionaries({}, optional={
     "max_grad_norm": st.sampled_from([None, 0.1, 10.0]),
     "adapt": st.booleans(),
 })
+
+
+def triton_module() -> tuple[bool, str]:
+    """The set-up of a module of Triton tests: skips it without triton, or under an interpreter
+    that cannot run the kernels; returns (interpreted, the device the kernels run on).
+    tests/conftest.py chose the interpreter (TRITON_INTERPRET=1) before triton was imported."""
+    import os
+
+    import pytest
+
+    pytest.importorskip("triton")
+    from fusedopt.backends import triton_backend
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted and triton_backend.interpreter_reason() is not None:
+        pytest.skip(triton_backend.interpreter_reason(), allow_module_level=True)
+    return interpreted, "cpu" if interpreted else "cuda"

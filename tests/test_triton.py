@@ -11,22 +11,16 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from helpers import triton_module
 
-import pytest  # noqa: E402
+INTERPRETED, DEVICE = triton_module()
 
-pytest.importorskip("triton")
-
+import fusedopt.backends as fusedopt_backends  # noqa: E402
 from fusedopt.backends import triton_backend  # noqa: E402
 from fusedopt.backends.triton_backend import TritonBackend  # noqa: E402
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else "cuda"
-if INTERPRETED and triton_backend.interpreter_reason() is not None:
-    pytest.skip(triton_backend.interpreter_reason(), allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -129,6 +123,7 @@ def _fake_cuda_operands(monkeypatch, capturing=False):
     monkeypatch.setattr(tables, "operand", lambda device, dtype, value: torch.full((), value,
                                                                                    dtype=dtype))
     monkeypatch.setattr(tables, "capturing", lambda device: capturing)
+    monkeypatch.setattr(fusedopt_backends, "capturing", lambda device: capturing)
 
     def to(self, *args, **kwargs):
         copies.append((args, kwargs))

@@ -15,25 +15,17 @@ a program); on a CUDA machine the Triton run is on the GPU with the GPU tiles an
 CPU copies.
 """
 import math
-import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from helpers import triton_module
 
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
+INTERPRETED, DEVICE = triton_module()
 
 from fusedopt import backends, functional, lowp  # noqa: E402
 from fusedopt._hyper import LAMB_DEFAULTS, LARS_DEFAULTS, lamb_hyper, lars_hyper  # noqa: E402
 from fusedopt.backends import triton_backend  # noqa: E402
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRETED else "cuda"
-if INTERPRETED and triton_backend.interpreter_reason() is not None:
-    pytest.skip(triton_backend.interpreter_reason(), allow_module_level=True)
 if backends.get_backend("cpp") is None:
     pytest.skip(f"the cpp backend is not available: {backends.load_error('cpp')}",
                 allow_module_level=True)

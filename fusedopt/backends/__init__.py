@@ -102,6 +102,26 @@ _instances: dict[str, Backend] = {}
 _load_errors: dict[str, str] = {}
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def refuse_cpu_lr_in_capture(name: str, lr, device: torch.device) -> None:
+    """Note [CPU tensor lr]: a GPU backend reads a CPU tensor lr of params on another device on
+    the host (no device sync, and the bits of reading it on the device); a CUDA graph would keep
+    the captured step's value at every replay, so such an lr is refused during capture."""
+    if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and device.type != "cpu"
+            and not torch.compiler.is_compiling() and capturing(device)):
+        raise RuntimeError(
+            f"fusedopt {name} backend: a CPU tensor lr cannot be captured in a CUDA graph: the "
+            "step reads its value on the host, so every replay would use the value of the "
+            "captured step; keep the tensor lr on the params' device for a captured step")
+
+
 def get_backend(name: str) -> Backend | None:
     """The backend object, or None if its module cannot be imported (the reason is kept)."""
     if name in _instances:

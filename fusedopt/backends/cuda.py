@@ -27,12 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from . import refuse_cpu_lr_in_capture
 from .cpp import CppBackend, load_extension
-
-CPU_LR_IN_CAPTURE = (
-    "fusedopt cuda backend: a CPU tensor lr cannot be captured in a CUDA graph: the step reads its "
-    "value on the host, so every replay would use the value of the captured step; keep the tensor "
-    "lr on the params' device for a captured step")
 
 _LOW = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,13 +74,7 @@ class CudaBackend(CppBackend):
     def prepare(self, b, kind, h, has_grad_mult, has_found_inf, clip):
         """Note [CPU tensor lr]: a CPU tensor lr is refused in a CUDA-graph capture before the
         step's first launch (the operators refuse it too, as a last line of defence)."""
-        lr = h.lr
-        if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and b.device.type == "cuda"
-                and not torch.compiler.is_compiling()):
-            with torch.cuda.device(b.device):
-                capturing = torch.cuda.is_current_stream_capturing()
-            if capturing:
-                raise RuntimeError(CPU_LR_IN_CAPTURE)
+        refuse_cpu_lr_in_capture(self.name, h.lr, b.device)
 
     def bind(self, b, check):
         return None  # KeptLayout holds the CPU kernels; CUDA goes through torch.ops

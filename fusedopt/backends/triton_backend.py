@@ -50,7 +50,7 @@ from typing import Optional
 
 import torch
 
-from . import Backend
+from . import Backend, refuse_cpu_lr_in_capture
 from .._bucket import Bucket, StepCache, compute_dtype
 from .._hyper import LAMB_FIELDS, LARS_FIELDS
 from ..flat import _dense_layout
@@ -148,12 +148,6 @@ def _grad_mult(lists: Lists, grad_mult):
     return _k().tables.operand(p.device, compute_dtype(p.dtype), 1.0)
 
 
-CPU_LR_IN_CAPTURE = (
-    "fusedopt triton backend: a CPU tensor lr cannot be captured in a CUDA graph: the step reads "
-    "its value on the host, so every replay would use the value of the captured step; keep the "
-    "tensor lr on the params' device for a captured step")
-
-
 def host_lr(lr, device):
     """Note [CPU tensor lr]: ``lr`` as the launches take it. A CPU tensor lr with params on
     another device (torch's compiled-optimizer tutorial uses one with CUDA params) is read on the
@@ -163,8 +157,7 @@ def host_lr(lr, device):
     it is refused: the captured launches would keep this step's value at every replay. Any other
     lr is returned as it is."""
     if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and device.type != "cpu":
-        if _k().tables.capturing(device):
-            raise RuntimeError(CPU_LR_IN_CAPTURE)
+        refuse_cpu_lr_in_capture("triton", lr, device)
         return float(lr.detach().reshape(()).item())  # a host read of host memory: no sync
     return lr
 

@@ -97,7 +97,7 @@ from typing import Sequence
 
 import torch
 
-from ..backends import BackendCompileError
+from ..backends import BackendCompileError, capturing
 
 # Note [launch limit]
 MAX_TENSORS_PER_LAUNCH = 32768
@@ -276,14 +276,6 @@ def operand(device: torch.device, dtype: torch.dtype, value: float) -> torch.Ten
 _CAPTURE_MSG = ("fusedopt triton backend: a pointer table or a constant operand had to be made "
                 "during CUDA graph capture (the bucket's tensors moved, or this bucket never "
                 "stepped): run one step with the same tensors before capturing")
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is capturing a CUDA graph."""
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
