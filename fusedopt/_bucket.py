@@ -1,17 +1,59 @@
 """The unit of work of every backend (:class:`Bucket`), the dtype rules it carries, and the one
 object that keeps what outlives a step (:class:`StepCache`).
 
-A leaf module (it imports nothing of fusedopt), so that the functional layer, the backends and
-:mod:`fusedopt.distributed` all import it without a cycle.
+A leaf module (it imports nothing of fusedopt but the optional compiled extension), so that the
+functional layer, the backends and :mod:`fusedopt.distributed` all import it without a cycle.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
+from array import array
 from dataclasses import dataclass, field
+from operator import methodcaller
 from typing import Any
 
 import torch
+
+_DATA_PTR, _NUMEL = methodcaller("data_ptr"), methodcaller("numel")
+
+
+# Note [native scans] (csrc/cpu/register.cpp): what a step reads of every tensor of a kept list
+# is read by one C loop per list from fusedopt._C; these are the same answers from Python-level
+# loops, used where the extension is not built (tests compare the two).
+def py_data_ptrs(tensors: list) -> bytes:
+    """The data pointers of ``tensors`` as int64 values in one bytes."""
+    return array("q", map(_DATA_PTR, tensors)).tobytes()
+
+
+def py_numels(tensors: list) -> bytes:
+    """The numel of each of ``tensors`` as int64 values in one bytes."""
+    return array("q", map(_NUMEL, tensors)).tobytes()
+
+
+def py_dtype_codes(tensors: list, dtypes: tuple) -> bytes:
+    """For each of ``tensors`` one byte: 1 + the index of its dtype in ``dtypes``, 0 if absent."""
+    codes = {d: i + 1 for i, d in enumerate(dtypes)}
+    return bytes(codes.get(t.dtype, 0) for t in tensors)
+
+
+def py_same_dtype(tensors: list, dtype: torch.dtype) -> bool:
+    """Whether every entry of ``tensors`` is a tensor of ``dtype``."""
+    return all(isinstance(t, torch.Tensor) and t.dtype == dtype for t in tensors)
+
+
+def py_dense(tensors: list, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every entry of ``tensors`` is a contiguous strided tensor of ``dtype`` on
+    ``device``."""
+    return all(isinstance(t, torch.Tensor) and t.layout == torch.strided
+               and (t.dtype, t.device) == (dtype, device) and t.is_contiguous() for t in tensors)
+
+
+try:
+    from ._C import data_ptrs, dense, dtype_codes, numels, same_dtype
+except ImportError:
+    data_ptrs, dense, dtype_codes, numels, same_dtype = (
+        py_data_ptrs, py_dense, py_dtype_codes, py_numels, py_same_dtype)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, is_, methodcaller
+from operator import is_
 from typing import Protocol, Sequence, TypedDict, Unpack
 
 import torch
 
 from . import backends as _backends
 from . import lowp
-from ._bucket import Bucket, StepCache, TensorLists, bias_correction, compute_dtype, slot_of
+from ._bucket import (Bucket, StepCache, TensorLists, bias_correction, compute_dtype, dense, numels,
+                      slot_of)
 from ._hyper import (LAMB_DEFAULTS, LARS_DEFAULTS, LambHyper, LarsHyper, check_backend_name,
                      check_maximize,
                      check_representable, encode, lamb_hyper, lars_hyper, validate_lamb_group,
@@ -387,32 +388,23 @@ def _for_formats(kind: str, gi: int, be: _backends.Backend, b: Bucket,
 
 
 _STATIC = ("params", "steps", *_STATE_FIELDS, "masters")  # the lists a step does not replace
-_DTYPE = attrgetter("dtype")
 
 
 def _seen(b: Bucket) -> tuple:
     """What Note [kept buckets] compares a later step's bucket with."""
-    return (tuple(getattr(b, f) for f in _STATIC), b.grad_dtype, b.param_dtype,
-            list(map(_NUMEL, b.params)))
+    return (tuple(getattr(b, f) for f in _STATIC), b.grad_dtype, b.param_dtype, numels(b.params))
 
 
 def _as_checked(b: Bucket, seen: tuple) -> bool:
     """Note [kept buckets]: ``b`` holds the lists that were checked (``seen``), its params are
-    contiguous and have the dtype and sizes they had (``p.data`` may be replaced), and its grads
-    are contiguous strided tensors of the checked dtype on its device, of their params' sizes:
-    what the kernels, which walk each tensor as a flat array, need. (A ``torch.Size`` per tensor
-    would cost ten times a size.)"""
-    lists, grad_dtype, param_dtype, numels = seen
-    ps, gs = b.params, b.grads
+    contiguous tensors on its device with the dtype and sizes they had (``p.data`` may be
+    replaced), and its grads are contiguous strided tensors of the checked dtype on its device,
+    of their params' sizes: what the kernels, which walk each tensor as a flat array, need. One
+    C loop per list (Note [native scans] in csrc/cpu/register.cpp)."""
+    lists, grad_dtype, param_dtype, sizes = seen
     return (all(map(is_, (getattr(b, f) for f in _STATIC), lists))
-            and set(map(_DTYPE, ps)) == {param_dtype} and all(map(_CONTIGUOUS, ps))
-            and set(map(_DTYPE, gs)) == {grad_dtype} and all(map(_CONTIGUOUS, gs))
-            and set(map(_LAYOUT, gs)) == {torch.strided} and set(map(_DEVICE, gs)) == {b.device}
-            and list(map(_NUMEL, ps)) == numels == list(map(_NUMEL, gs)))
-
-
-_CONTIGUOUS, _NUMEL = methodcaller("is_contiguous"), methodcaller("numel")
-_LAYOUT, _DEVICE = attrgetter("layout"), attrgetter("device")
+            and dense(b.params, param_dtype, b.device) and dense(b.grads, grad_dtype, b.device)
+            and numels(b.params) == sizes == numels(b.grads))
 
 
 def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:

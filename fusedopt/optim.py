@@ -19,7 +19,7 @@ from torch.optim.optimizer import required
 
 from . import backends as _backends
 from . import lowp
-from ._bucket import StepCache, compute_dtype
+from ._bucket import StepCache, compute_dtype, same_dtype
 from ._bucket import local as _local
 from ._hyper import (
     LAMB_DEFAULTS,
@@ -48,14 +48,9 @@ _OWN_OPTIONS = ("backend", "state_precision", "state_min_numel")
 
 def _same_dtypes(ps: list, dtypes: set) -> bool:
     """Whether the tensors of ``ps`` have exactly the dtypes ``dtypes`` (Note [list cache]): one C
-    loop over the list where the extension is there and the set is one dtype."""
+    loop over the list where the set is one dtype (Note [native scans])."""
     if len(dtypes) == 1:
-        try:
-            from ._C import same_dtype
-        except ImportError:
-            pass
-        else:
-            return same_dtype(ps, next(iter(dtypes)))
+        return same_dtype(ps, next(iter(dtypes)))
     return set(map(_DTYPE, ps)) == dtypes
 
 

@@ -20,6 +20,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "multi_tensor.h"
 #include "ops.h"
 
@@ -62,7 +64,7 @@ TensorPtrs unpacked(const pybind11::list& items, const char* name) {
   for (size_t i = 0; i < out.size(); ++i) {
     PyObject* obj = PyList_GET_ITEM(items.ptr(), static_cast<Py_ssize_t>(i));
     if (!THPVariable_Check(obj)) {
-      throw pybind11::type_error(std::string("KeptLayout.bind: ") + name + "[" +
+      throw pybind11::type_error(std::string(name) + "[" +
                                  std::to_string(i) + "] is not a tensor");
     }
     out[i] = &THPVariable_Unpack(obj);
@@ -106,6 +108,60 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"), py::arg("dtype"),
       "Whether every entry of a list is a tensor of dtype: a C loop, for Note [list cache] in "
       "fusedopt/optim.py (reading .dtype in Python costs ~40 ns per tensor).");
+  // Note [native scans]: what a step reads of every tensor of a kept list (its address, its
+  // size, its dtype and layout) is read by these C loops, one per list: a Python-level attribute
+  // or method call per tensor costs ~50-100 ns, more once thousands of tensor objects no longer
+  // fit the caches (fusedopt/_bucket.py holds their Python equivalents).
+  m.def(
+      "data_ptrs",
+      [](const py::list& items) {
+        std::string out(items.size() * sizeof(int64_t), '\0');
+        auto* ptrs = reinterpret_cast<int64_t*>(out.data());
+        const TensorPtrs ts = unpacked(items, "data_ptrs: tensors");
+        for (size_t i = 0; i < ts.size(); ++i) {
+          ptrs[i] = reinterpret_cast<int64_t>(ts[i]->data_ptr());
+        }
+        return py::bytes(out);
+      },
+      py::arg("tensors"), "The data pointers of a list of tensors, as int64 values in one bytes.");
+  m.def(
+      "numels",
+      [](const py::list& items) {
+        std::string out(items.size() * sizeof(int64_t), '\0');
+        auto* sizes = reinterpret_cast<int64_t*>(out.data());
+        const TensorPtrs ts = unpacked(items, "numels: tensors");
+        for (size_t i = 0; i < ts.size(); ++i) sizes[i] = ts[i]->numel();
+        return py::bytes(out);
+      },
+      py::arg("tensors"), "The numel of each tensor of a list, as int64 values in one bytes.");
+  m.def(
+      "dtype_codes",
+      [](const py::list& items, const std::vector<at::ScalarType>& dtypes) {
+        std::string out(items.size(), '\0');
+        const TensorPtrs ts = unpacked(items, "dtype_codes: tensors");
+        for (size_t i = 0; i < ts.size(); ++i) {
+          const auto it = std::find(dtypes.begin(), dtypes.end(), ts[i]->scalar_type());
+          out[i] = it == dtypes.end() ? 0 : static_cast<char>(1 + (it - dtypes.begin()));
+        }
+        return py::bytes(out);
+      },
+      py::arg("tensors"), py::arg("dtypes"),
+      "For each tensor of a list, one byte: 1 + the index of its dtype in dtypes, 0 if absent.");
+  m.def(
+      "dense",
+      [](const py::list& items, at::ScalarType dtype, const at::Device& device) {
+        for (const py::handle item : items) {
+          if (!THPVariable_Check(item.ptr())) return false;
+          const at::Tensor& t = THPVariable_Unpack(item.ptr());
+          if (t.layout() != at::kStrided || t.scalar_type() != dtype || t.device() != device ||
+              !t.is_contiguous()) {
+            return false;
+          }
+        }
+        return true;
+      },
+      py::arg("tensors"), py::arg("dtype"), py::arg("device"),
+      "Whether every entry of a list is a contiguous strided tensor of dtype on device.");
   // Every method runs without the GIL, as torch.ops calls do (other Python threads go on), and
   // takes the layout's mutex (Note [one call at a time], ops.h).
   using py::arg;
@@ -118,9 +174,10 @@ PYBIND11_MODULE(_C, m) {
              const py::list& state_a, const py::list& state_b, const py::list& steps,
              const py::list& grads, at::ScalarType grad_dtype, bool check) {
             std::array<TensorPtrs, 6> lists{
-                unpacked(weights, "weights"), unpacked(params, "params"),
-                unpacked(state_a, "state_a"), unpacked(state_b, "state_b"),
-                unpacked(steps, "steps"),     unpacked(grads, "grads")};
+                unpacked(weights, "KeptLayout.bind: weights"), unpacked(params, "KeptLayout.bind: params"),
+                unpacked(state_a, "KeptLayout.bind: state_a"),
+                unpacked(state_b, "KeptLayout.bind: state_b"),
+                unpacked(steps, "KeptLayout.bind: steps"), unpacked(grads, "KeptLayout.bind: grads")};
             py::gil_scoped_release no_gil;
             return k.bind(std::move(lists), grad_dtype, check);
           },

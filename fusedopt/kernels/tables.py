@@ -91,12 +91,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+from array import array
 from dataclasses import dataclass, field
-from operator import attrgetter, methodcaller
 from typing import Sequence
 
 import torch
 
+from .._bucket import data_ptrs, dtype_codes, numels
 from ..backends import BackendCompileError, capturing
 
 # Note [launch limit]
@@ -124,9 +125,10 @@ REDUCE_BLOCK = 128
 # Columns of a record (kernels/common.py reads them by these numbers).
 PARAM, GRAD, MASTER, STATE0, STATE1, STEP, NUMEL, FIRST_CHUNK, OUT, FORMAT, KEY = range(11)
 RECORD = 11
-# FORMAT codes (Note [state formats in the tables]), by the dtype of a state tensor
+# FORMAT codes (Note [state formats in the tables]): 0 for full state, else 1 + the index of the
+# state tensor's dtype in STATE_DTYPES
 FULL_STATE, BF16_STATE, Q8_STATE = 0, 1, 2
-STATE_FORMATS = {torch.bfloat16: BF16_STATE, torch.uint8: Q8_STATE}
+STATE_DTYPES = (torch.bfloat16, torch.uint8)
 Q8_BLOCK = 256  # elements per 8-bit block (docs/math.md)
 # Note [scalar operands]: the 0-dim tensor arguments whose address the kernels do not specialize on
 SCALAR_OPERANDS = ("grad_mult", "found_inf", "lr_ptr")
@@ -287,16 +289,15 @@ def _upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, tor
     return pinned.to(device, non_blocking=True), pinned
 
 
-_DATA_PTR, _NUMEL = methodcaller("data_ptr"), methodcaller("numel")
+def _ints(values: bytes, n: int) -> Sequence[int]:
+    """The int64 values of ``data_ptrs`` / ``numels`` (empty bytes: a list the kernel does not
+    use, zeros)."""
+    return memoryview(values).cast("q") if values else (0,) * n
 
 
-def _ptrs(tensors: Sequence[torch.Tensor] | None, n: int) -> tuple[int, ...]:
-    return (0,) * n if tensors is None else tuple(map(_DATA_PTR, tensors))
-
-
-def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[int, ...],
-           idx: Sequence[int], aligned: bool, formats: tuple[int, ...] | None,
-           keys: tuple[int, ...] | None) -> Table:
+def _build(device: torch.device, columns: list[Sequence[int]], numels: Sequence[int],
+           idx: Sequence[int], aligned: bool, formats: bytes | None,
+           keys: Sequence[int] | None) -> Table:
     global _builds
     _builds += 1
     n = len(idx)
@@ -321,7 +322,7 @@ def _build(device: torch.device, columns: list[tuple[int, ...]], numels: tuple[i
                  aligned=aligned, _host=(records_h, owner_h))
 
 
-def _partition(columns: list[tuple[int, ...]], n: int) -> list[tuple[list[int], bool]]:
+def _partition(columns: list[Sequence[int]], n: int) -> list[tuple[list[int], bool]]:
     """Note [per-tensor alignment] and Note [launch limit]: the tensors' indices in launch-sized
     slices, the 16-byte aligned tensors first."""
     data = columns[PARAM:STEP]  # the steps are read as scalars
@@ -334,18 +335,16 @@ def _partition(columns: list[tuple[int, ...]], n: int) -> list[tuple[list[int], 
     return out
 
 
-_DTYPE = attrgetter("dtype")
-
-
-def state_formats(states: Sequence[torch.Tensor] | None) -> tuple[int, ...] | None:
+def state_formats(states: Sequence[torch.Tensor] | None) -> bytes | None:
     """The FORMAT of each state tensor (Note [state formats in the tables]), or None when every
-    one is full state (the common case, decided from the set of their dtypes)."""
-    if states is None or not set(map(_DTYPE, states)) & STATE_FORMATS.keys():
+    one is full state (one C loop over their dtypes: Note [native scans])."""
+    if states is None:
         return None
-    return tuple(STATE_FORMATS.get(x.dtype, FULL_STATE) for x in states)
+    formats = dtype_codes(states, STATE_DTYPES)
+    return None if formats.count(FULL_STATE) == len(formats) else formats
 
 
-def check_tiles(formats: tuple[int, ...] | None) -> None:
+def check_tiles(formats: bytes | None) -> None:
     """Note [state formats in the tables]: tiles of whole 8-bit blocks."""
     if formats is not None and (CHUNK_SIZE % Q8_BLOCK or BLOCK_SIZE % Q8_BLOCK):
         raise ValueError(f"fusedopt triton backend: low-precision state needs CHUNK_SIZE and "
@@ -367,27 +366,30 @@ def tables(tensors: Sequence[Sequence[torch.Tensor] | None], store: TableStore |
     first = tensors[0]
     n = len(first)
     device = first[0].device
-    columns = [_ptrs(ts, n) for ts in tensors]
-    numels = tuple(map(_NUMEL, first))
+    # Note [native scans] in csrc/cpu/register.cpp: one C loop per list, compared as bytes
+    columns = [b"" if ts is None else data_ptrs(ts) for ts in tensors]
+    sizes = numels(first)
     formats = state_formats(tensors[STATE0])
     check_tiles(formats)
     if formats is not None and keys is not None:
-        keys = tuple(keys.tolist() if isinstance(keys, torch.Tensor) else map(int, keys))
+        keys = array("q", keys.tolist() if isinstance(keys, torch.Tensor) else map(int, keys))
         if len(keys) != n:
             raise ValueError(f"fusedopt triton backend: keys must hold one key per tensor ({n}), "
                              f"got {len(keys)}")
+        keys = keys.tobytes()
     else:
         keys = None
-    key = (device, CHUNK_SIZE, ROWS, MAX_TENSORS_PER_LAUNCH, tuple(columns), numels,
-           formats, keys)
+    key = (device, CHUNK_SIZE, ROWS, MAX_TENSORS_PER_LAUNCH, *columns, sizes, formats, keys)
     if store is not None:
         hit = store.entries.get(role)
         if hit is not None and hit[0] == key:
             return hit[1]
     if capturing(device):
         raise RuntimeError(_CAPTURE_MSG)
-    built = [_build(device, columns, numels, idx, aligned, formats, keys)
-             for idx, aligned in _partition(columns, n)]
+    ints = [_ints(c, n) for c in columns]
+    built = [_build(device, ints, _ints(sizes, n), idx, aligned, formats,
+                    None if keys is None else _ints(keys, n))
+             for idx, aligned in _partition(ints, n)]
     if store is not None:
         store.entries[role] = (key, built)
     return built
