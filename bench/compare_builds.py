@@ -1,6 +1,6 @@
 """Step time of two source trees of fusedopt, in alternating processes (docs/performance.md).
 
-    python bench/compare_builds.py OLD_TREE NEW_TREE [--rounds 5] [--steps 30]
+    python bench/compare_builds.py OLD_TREE NEW_TREE [--rounds 5] [--steps 30] [--cases 4000]
 
 Each tree must hold a built extension (``python setup.py build_ext --inplace`` in it). Every round
 runs one process per tree, in turn, so that a machine whose speed drifts slows both alike; each
@@ -82,15 +82,19 @@ def main() -> None:
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--cases", default="", help="only the cases whose name contains this text")
     args = ap.parse_args()
+    cases = {name: case for name, case in CASES.items() if args.cases in name}
+    if not cases:
+        raise SystemExit(f"no case contains {args.cases!r}; the cases: {', '.join(CASES)}")
     old, new = [], []
     for r in range(args.rounds):
-        old.append(run(args.old, CASES, args.steps))
-        new.append(run(args.new, CASES, args.steps))
+        old.append(run(args.old, cases, args.steps))
+        new.append(run(args.new, cases, args.steps))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print("| case | old ms/step | new ms/step | new / old (range over rounds) |")
     print("|---|---|---|---|")
-    for name in CASES:
+    for name in cases:
         o = statistics.median(x[name] for x in old)
         n = statistics.median(x[name] for x in new)
         ratios = [b[name] / a[name] for a, b in zip(old, new)]

@@ -21,6 +21,11 @@ _DATA_PTR, _NUMEL = methodcaller("data_ptr"), methodcaller("numel")
 # Note [native scans] (csrc/cpu/register.cpp): what a step reads of every tensor of a kept list
 # is read by one C loop per list from fusedopt._C; these are the same answers from Python-level
 # loops, used where the extension is not built (tests compare the two).
+def py_grads(params: list) -> list:
+    """``[p.grad for p in params]``."""
+    return [p.grad for p in params]
+
+
 def py_data_ptrs(tensors: list) -> bytes:
     """The data pointers of ``tensors`` as int64 values in one bytes."""
     return array("q", map(_DATA_PTR, tensors)).tobytes()
@@ -50,10 +55,10 @@ def py_dense(tensors: list, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 try:
-    from ._C import data_ptrs, dense, dtype_codes, numels, same_dtype
+    from ._C import data_ptrs, dense, dtype_codes, grads, numels, same_dtype
 except ImportError:
-    data_ptrs, dense, dtype_codes, numels, same_dtype = (
-        py_data_ptrs, py_dense, py_dtype_codes, py_numels, py_same_dtype)
+    data_ptrs, dense, dtype_codes, grads, numels, same_dtype = (
+        py_data_ptrs, py_dense, py_dtype_codes, py_grads, py_numels, py_same_dtype)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

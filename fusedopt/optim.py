@@ -20,6 +20,7 @@ from torch.optim.optimizer import required
 from . import backends as _backends
 from . import lowp
 from ._bucket import StepCache, compute_dtype, same_dtype
+from ._bucket import grads as grads_of
 from ._bucket import local as _local
 from ._hyper import (
     LAMB_DEFAULTS,
@@ -398,12 +399,13 @@ class _TrustRatioOptimizer(Optimizer):
             self._named(gi, check_lr_value, lr)  # Note [option checks]: once per new tensor lr
             self._cache.lrs[gi] = lr
         # Note [gathering]: what this does for every param at every step is written as C-level
-        # loops (map, list comprehensions, set) over the params: with thousands of tensors, each
-        # Python-level operation per param costs a measurable part of the step
+        # loops over the params (map, list comprehensions, set, and fusedopt._C's native scans):
+        # with thousands of tensors, each Python-level operation per param costs a measurable
+        # part of the step
         all_ps = group["params"]
         if not all_ps:  # a group emptied (DeepSpeed ZeRO-3 fills each group only for its step)
             return False, None
-        all_grads = [p.grad for p in all_ps]
+        all_grads = grads_of(all_ps)
         if any(map(is_, all_grads, repeat(None))):
             ps = [p for p, g in zip(all_ps, all_grads) if g is not None]
             if not ps:
@@ -601,7 +603,7 @@ class _TrustRatioOptimizer(Optimizer):
         place (``p.data = ...``) is caught by the backend's bind (Note [kept layout] in
         csrc/cpu/ops.h). Sharded groups are gathered at every step."""
         all_ps = group["params"]
-        grads = [p.grad for p in all_ps]
+        grads = grads_of(all_ps)
         # not `None in grads`: that calls Tensor.__eq__(None) on every grad, a torch dispatch each
         with_grad = (tuple(g is not None for g in grads)
                      if any(map(is_, grads, repeat(None))) else None)

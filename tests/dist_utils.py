@@ -633,6 +633,12 @@ def main(argv, scenarios_of=None, context=None):
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f, indent=1)
         dist.destroy_process_group()
+    # The results are written: leave without the interpreter's teardown, where a background thread
+    # of torch's profiler (which some scenarios run) can abort the process ("terminate called
+    # without an active exception") after everything of the test has finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ State-dict round trips, tensor lr and allocations inside step() are tested for e
 (tests/test_optimizer_api.py, tests/test_amp.py, tests/test_memory.py)."""
 import copy
 import hashlib
+import operator
 import os
 import subprocess
 import sys
@@ -629,3 +630,19 @@ def test_native_scans_equal_their_python_fallbacks():
     assert not _C.dense([base, base.t()], torch.float32, cpu)
     with pytest.raises(TypeError, match=r"data_ptrs: tensors\[1\] is not a tensor"):
         _C.data_ptrs([base, None])
+
+    class Logged(torch.Tensor):  # reads .grad through __torch_function__
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)] + [
+        torch.randn(2, requires_grad=True), torch.randn(2).as_subclass(Logged).requires_grad_()]
+    for p in params[::2]:
+        p.grad = torch.randn_like(p)
+    for ps in (params, tuple(params), []):
+        got, want = _C.grads(ps), _bucket.py_grads(ps)
+        assert len(got) == len(want) and all(map(operator.is_, got, want))
+    assert [g is None for g in _C.grads(params)] == [False, True, False, True, False]
+    with pytest.raises(AttributeError):
+        _C.grads([params[0], 1])

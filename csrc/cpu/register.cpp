@@ -108,10 +108,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensors"), py::arg("dtype"),
       "Whether every entry of a list is a tensor of dtype: a C loop, for Note [list cache] in "
       "fusedopt/optim.py (reading .dtype in Python costs ~40 ns per tensor).");
-  // Note [native scans]: what a step reads of every tensor of a kept list (its address, its
-  // size, its dtype and layout) is read by these C loops, one per list: a Python-level attribute
-  // or method call per tensor costs ~50-100 ns, more once thousands of tensor objects no longer
-  // fit the caches (fusedopt/_bucket.py holds their Python equivalents).
+  // Note [native scans]: what a step reads of every tensor of its lists (the grads of the params,
+  // addresses, sizes, dtypes and layouts) is read by these C loops, one per list: a Python-level
+  // attribute or method call per tensor costs a multiple of the C read, and more again once
+  // thousands of tensor objects no longer fit the caches (docs/performance.md, "Native scans").
+  // fusedopt/_bucket.py holds their Python equivalents, for a tree without this extension.
   m.def(
       "data_ptrs",
       [](const py::list& items) {
@@ -134,6 +135,33 @@ PYBIND11_MODULE(_C, m) {
         return py::bytes(out);
       },
       py::arg("tensors"), "The numel of each tensor of a list, as int64 values in one bytes.");
+  m.def(
+      "grads",
+      [](const py::handle& params) {
+        const auto seq = py::reinterpret_steal<py::object>(
+            PySequence_Fast(params.ptr(), "grads: params must be a sequence"));
+        if (!seq) throw py::error_already_set();
+        const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+        PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+        // torch.Tensor and nn.Parameter read .grad from the autograd metadata; any other type
+        // (a subclass may override it, or __torch_function__) is read as Python reads it
+        static PyObject* const parameter =
+            py::module_::import("torch.nn").attr("Parameter").release().ptr();
+        py::list out(n);
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          PyObject* obj = items[i];
+          if (!THPVariable_CheckExact(obj) &&
+              Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(parameter)) {
+            out[i] = py::reinterpret_borrow<py::object>(obj).attr("grad");
+            continue;
+          }
+          const at::Tensor& grad = THPVariable_Unpack(obj).grad();
+          out[i] = grad.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(grad))
+                                  : py::none();
+        }
+        return out;
+      },
+      py::arg("params"), "[p.grad for p in params].");
   m.def(
       "dtype_codes",
       [](const py::list& items, const std::vector<at::ScalarType>& dtypes) {
