@@ -72,6 +72,16 @@ TensorPtrs unpacked(const pybind11::list& items, const char* name) {
   return out;
 }
 
+// One int64 per tensor of a list, read by `read`, packed in one bytes (Note [native scans]).
+template <typename Read>
+pybind11::bytes int64_per_tensor(const pybind11::list& items, const char* name, Read read) {
+  std::string out(items.size() * sizeof(int64_t), '\0');
+  auto* values = reinterpret_cast<int64_t*>(out.data());
+  const TensorPtrs ts = unpacked(items, name);
+  for (size_t i = 0; i < ts.size(); ++i) values[i] = read(*ts[i]);
+  return pybind11::bytes(out);
+}
+
 // The names of a hyper table's fields, in order, as a Python list of str.
 template <size_t N>
 pybind11::list field_names(const std::array<const char*, N>& names) {
@@ -116,23 +126,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "data_ptrs",
       [](const py::list& items) {
-        std::string out(items.size() * sizeof(int64_t), '\0');
-        auto* ptrs = reinterpret_cast<int64_t*>(out.data());
-        const TensorPtrs ts = unpacked(items, "data_ptrs: tensors");
-        for (size_t i = 0; i < ts.size(); ++i) {
-          ptrs[i] = reinterpret_cast<int64_t>(ts[i]->data_ptr());
-        }
-        return py::bytes(out);
+        return int64_per_tensor(items, "data_ptrs: tensors", [](const at::Tensor& t) {
+          return reinterpret_cast<int64_t>(t.data_ptr());
+        });
       },
       py::arg("tensors"), "The data pointers of a list of tensors, as int64 values in one bytes.");
   m.def(
       "numels",
       [](const py::list& items) {
-        std::string out(items.size() * sizeof(int64_t), '\0');
-        auto* sizes = reinterpret_cast<int64_t*>(out.data());
-        const TensorPtrs ts = unpacked(items, "numels: tensors");
-        for (size_t i = 0; i < ts.size(); ++i) sizes[i] = ts[i]->numel();
-        return py::bytes(out);
+        return int64_per_tensor(items, "numels: tensors",
+                                [](const at::Tensor& t) { return t.numel(); });
       },
       py::arg("tensors"), "The numel of each tensor of a list, as int64 values in one bytes.");
   m.def(
@@ -146,7 +149,7 @@ PYBIND11_MODULE(_C, m) {
         // torch.Tensor and nn.Parameter read .grad from the autograd metadata; any other type
         // (a subclass may override it, or __torch_function__) is read as Python reads it
         static PyObject* const parameter =
-            py::module_::import("torch.nn").attr("Parameter").release().ptr();
+            py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
         py::list out(n);
         for (Py_ssize_t i = 0; i < n; ++i) {
           PyObject* obj = items[i];
