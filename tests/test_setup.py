@@ -59,3 +59,20 @@ def test_a_refused_compiler_is_recorded_not_raised(tolerant, monkeypatch):
     monkeypatch.setattr(BuildExtension, "build_extensions", refuse)
     _build(cls, [Extension("fusedopt._C", ["csrc/cpu/ops.cpp"])]).build_extensions()
     assert errors.read_text().startswith("fusedopt._C: OSError: g++ 4.8")
+
+
+def test_the_cpu_extension_is_built_in_this_tree():
+    """The install records a failed build instead of failing (tests above), so a C++ change that
+    no longer compiles would otherwise show only as skipped cpp tests: the test command builds the
+    extension, and here it must have succeeded, with the native scans bound to it."""
+    from fusedopt import _bucket
+    from fusedopt.backends import cpp
+
+    try:
+        from fusedopt import _C
+    except ImportError as e:
+        errors = Path(cpp._BUILD_ERRORS)
+        pytest.fail(f"fusedopt._C is not importable: {e}; build errors recorded at install: "
+                    f"{errors.read_text() if errors.exists() else 'none'}")
+    for name in ("data_ptrs", "dense", "dtype_codes", "grads", "numels", "same_dtype"):
+        assert getattr(_bucket, name) is getattr(_C, name), name
