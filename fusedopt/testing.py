@@ -362,13 +362,25 @@ EXCLUDED_OPTIONS = {"weight_decay": 0.0, "adapt": False}
 
 
 def run_optimizer(kind: str, backend: str, options: dict, inputs: Inputs, *, device="cpu",
-                  master_weights=None, excluded=(), lr=None):
+                  master_weights=None, excluded=(), lr=None, misalign=(), before=None,
+                  after=None):
     """Steps a ``FusedLAMB`` / ``FusedLARS`` over ``inputs``; returns ``(params, optimizer)``.
 
     ``excluded``: indices of params placed in a second group with ``weight_decay=0,
-    adapt=False``. Each step's gradients are copies on ``device``."""
+    adapt=False``. Each step's gradients are copies on ``device``. ``misalign`` names what lies
+    4 bytes past a 16-byte boundary (:func:`misaligned_like`): ``"params"``, ``"grads"``,
+    ``"state"`` (the moments, made as zeros before the first step). ``before(k, opt, params)`` /
+    ``after(k, opt, params)`` are called around step ``k``, its grads set."""
+    unknown = set(misalign) - {"params", "grads", "state"}
+    if unknown:
+        raise ValueError(f"misalign: unknown lists {sorted(unknown)}")
     lr = LR[kind] if lr is None else lr
-    params = [torch.nn.Parameter(t.to(device, copy=True)) for t in inputs.init]
+
+    def placed(t, what):
+        t = t.to(device, copy=True)
+        return misaligned_like(t) if what in misalign else t
+
+    params = [torch.nn.Parameter(placed(t, "params")) for t in inputs.init]
     grad_dtype = inputs.grads[0][0].dtype if inputs.grads and inputs.grads[0] else None
     if grad_dtype is not None and params and grad_dtype != params[0].dtype:
         for p in params:
@@ -377,12 +389,21 @@ def run_optimizer(kind: str, backend: str, options: dict, inputs: Inputs, *, dev
     groups = []
     for gi, idx in enumerate(_group_indices(len(params), excluded)):
         groups.append({"params": [params[i] for i in idx], **(EXCLUDED_OPTIONS if gi else {})})
-    opt = OPTIMIZERS[kind](groups, lr=lr, backend=backend, master_weights=master_weights,
-                           **options)
-    for gs in inputs.grads:
+    cls = OPTIMIZERS[kind]
+    opt = cls(groups, lr=lr, backend=backend, master_weights=master_weights, **options)
+    if "state" in misalign:
+        for p in params:
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                            **{k: placed(torch.zeros_like(p.detach()), "state")
+                               for k in cls._state_keys}}
+    for k, gs in enumerate(inputs.grads):
         for p, g in zip(params, gs):
-            p.grad = g.to(device, copy=True)
+            p.grad = placed(g, "grads")
+        if before is not None:
+            before(k, opt, params)
         opt.step()
+        if after is not None:
+            after(k, opt, params)
     return params, opt
 
 

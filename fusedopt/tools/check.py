@@ -406,42 +406,13 @@ class _Ctx:
     cache: testing.RunCache
 
 
-def _stepped(ctx: _Ctx, inputs: testing.Inputs, *, excluded=None, misalign=(), lr=None,
-             before=None, after=None):
-    """Steps ``ctx``'s optimizer over ``inputs`` as testing.run_optimizer does (the same groups,
-    options and order), with ``misalign`` naming what lies 4 bytes past a 16-byte boundary
-    (``"params"``, ``"grads"``, ``"state"``: the moments, made before the first step) and
-    ``before(k, opt, params)`` / ``after(k, opt, params)`` called around step ``k`` (its grads
-    set); returns ``(params, optimizer)``."""
-    unknown = set(misalign) - {"params", "grads", "state"}
-    if unknown:
-        raise ValueError(f"misalign: unknown lists {sorted(unknown)}")
-    excluded = ctx.cs.excluded if excluded is None else excluded
-    place = testing.misaligned_like
-    dev = ctx.device
-    params = []
-    for t in inputs.init:
-        x = t.to(dev, copy=True)
-        params.append(torch.nn.Parameter(place(x) if "params" in misalign else x))
-    groups = [{"params": [params[i] for i in idx], **(testing.EXCLUDED_OPTIONS if gi else {})}
-              for gi, idx in enumerate(testing._group_indices(len(params), excluded))]
-    cls = testing.OPTIMIZERS[ctx.kind]
-    opt = cls(groups, lr=testing.LR[ctx.kind] if lr is None else lr, backend=ctx.backend,
-              **ctx.case.options)
-    if "state" in misalign:  # what the first step would make, zeros, placed misaligned
-        for p in params:
-            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=dev),
-                            **{k: place(torch.zeros_like(p.detach())) for k in cls._state_keys}}
-    for k, gs in enumerate(inputs.grads):
-        for p, g in zip(params, gs):
-            g = g.to(dev, copy=True)
-            p.grad = place(g) if "grads" in misalign else g
-        if before is not None:
-            before(k, opt, params)
-        opt.step()
-        if after is not None:
-            after(k, opt, params)
-    return params, opt
+def _stepped(ctx: _Ctx, inputs: testing.Inputs, *, excluded=None, **how):
+    """Steps ``ctx``'s optimizer over ``inputs`` as :func:`testing.run_optimizer` does, with the
+    case set's groups unless ``excluded`` is given; ``how``: its ``lr``, ``misalign``,
+    ``before`` and ``after``. Returns ``(params, optimizer)``."""
+    return testing.run_optimizer(ctx.kind, ctx.backend, ctx.case.options, inputs,
+                                 device=ctx.device,
+                                 excluded=ctx.cs.excluded if excluded is None else excluded, **how)
 
 
 def _outputs(params, opt) -> list[tuple[str, torch.Tensor]]:
