@@ -37,14 +37,10 @@ def py_numels(tensors: list) -> bytes:
 
 
 def py_dtype_codes(tensors: list, dtypes: tuple) -> bytes:
-    """For each of ``tensors`` one byte: 1 + the index of its dtype in ``dtypes``, 0 if absent."""
+    """For each entry of ``tensors`` one byte: 1 + the index of its dtype in ``dtypes``, 0 if it
+    is no tensor of one of them."""
     codes = {d: i + 1 for i, d in enumerate(dtypes)}
-    return bytes(codes.get(t.dtype, 0) for t in tensors)
-
-
-def py_same_dtype(tensors: list, dtype: torch.dtype) -> bool:
-    """Whether every entry of ``tensors`` is a tensor of ``dtype``."""
-    return all(isinstance(t, torch.Tensor) and t.dtype == dtype for t in tensors)
+    return bytes(codes.get(t.dtype, 0) if isinstance(t, torch.Tensor) else 0 for t in tensors)
 
 
 def py_dense(tensors: list, dtype: torch.dtype, device: torch.device) -> bool:
@@ -55,10 +51,10 @@ def py_dense(tensors: list, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 try:
-    from ._C import data_ptrs, dense, dtype_codes, grads, numels, same_dtype
+    from ._C import data_ptrs, dense, dtype_codes, grads, numels
 except ImportError:
-    data_ptrs, dense, dtype_codes, grads, numels, same_dtype = (
-        py_data_ptrs, py_dense, py_dtype_codes, py_grads, py_numels, py_same_dtype)
+    data_ptrs, dense, dtype_codes, grads, numels = (
+        py_data_ptrs, py_dense, py_dtype_codes, py_grads, py_numels)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch.optim.optimizer import required
 
 from . import backends as _backends
 from . import lowp
-from ._bucket import StepCache, compute_dtype, same_dtype
+from ._bucket import StepCache, compute_dtype, dtype_codes
 from ._bucket import grads as grads_of
 from ._bucket import local as _local
 from ._hyper import (
@@ -49,10 +49,9 @@ _OWN_OPTIONS = ("backend", "state_precision", "state_min_numel")
 
 def _same_dtypes(ps: list, dtypes: set) -> bool:
     """Whether the tensors of ``ps`` have exactly the dtypes ``dtypes`` (Note [list cache]): one C
-    loop over the list where the set is one dtype (Note [native scans])."""
-    if len(dtypes) == 1:
-        return same_dtype(ps, next(iter(dtypes)))
-    return set(map(_DTYPE, ps)) == dtypes
+    loop over the list (Note [native scans])."""
+    codes = dtype_codes(ps, tuple(dtypes))
+    return 0 not in codes and len(set(codes)) == len(dtypes)
 
 
 def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:

@@ -619,11 +619,13 @@ def test_native_scans_equal_their_python_fallbacks():
     dtypes = (torch.bfloat16, torch.uint8)
     assert _C.dtype_codes(tensors, dtypes) == _bucket.py_dtype_codes(tensors, dtypes)
     assert set(_C.dtype_codes(tensors, dtypes)) == {0, 1, 2}
+    assert _C.dtype_codes([base, None, 1, meta], (torch.float32,)) == bytes([1, 0, 0, 1])
     cpu = torch.device("cpu")
     for xs in (tensors, tensors[:2], [base, base.clone()], [base, meta], [base, None], [base, 1],
                [base.to_sparse()], [torch.nn.Parameter(base)], []):
+        for dtypes in ((torch.float32,), (torch.bfloat16, torch.float32)):
+            assert _C.dtype_codes(xs, dtypes) == _bucket.py_dtype_codes(xs, dtypes)
         for dtype in (torch.float32, torch.bfloat16):
-            assert _C.same_dtype(xs, dtype) == _bucket.py_same_dtype(xs, dtype)
             for device in (cpu, meta.device):
                 assert _C.dense(xs, dtype, device) == _bucket.py_dense(xs, dtype, device)
     assert _C.dense([base, base[1:]], torch.float32, cpu)

@@ -74,5 +74,5 @@ def test_the_cpu_extension_is_built_in_this_tree():
         errors = Path(cpp._BUILD_ERRORS)
         pytest.fail(f"fusedopt._C is not importable: {e}; build errors recorded at install: "
                     f"{errors.read_text() if errors.exists() else 'none'}")
-    for name in ("data_ptrs", "dense", "dtype_codes", "grads", "numels", "same_dtype"):
+    for name in ("data_ptrs", "dense", "dtype_codes", "grads", "numels"):
         assert getattr(_bucket, name) is getattr(_C, name), name

@@ -104,20 +104,6 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "lars_fields", [] { return field_names(fusedopt::cpu::kLarsFieldNames); },
       "The names of the LARS operators' `hyper` values, in order (Note [hyper fields], ops.h).");
-  m.def(
-      "same_dtype",
-      [](const py::list& items, at::ScalarType dtype) {
-        for (const py::handle item : items) {
-          if (!THPVariable_Check(item.ptr()) ||
-              THPVariable_Unpack(item.ptr()).scalar_type() != dtype) {
-            return false;
-          }
-        }
-        return true;
-      },
-      py::arg("tensors"), py::arg("dtype"),
-      "Whether every entry of a list is a tensor of dtype: a C loop, for Note [list cache] in "
-      "fusedopt/optim.py (reading .dtype in Python costs ~40 ns per tensor).");
   // Note [native scans]: what a step reads of every tensor of its lists (the grads of the params,
   // addresses, sizes, dtypes and layouts) is read by these C loops, one per list: a Python-level
   // attribute or method call per tensor costs a multiple of the C read, and more again once
@@ -169,15 +155,18 @@ PYBIND11_MODULE(_C, m) {
       "dtype_codes",
       [](const py::list& items, const std::vector<at::ScalarType>& dtypes) {
         std::string out(items.size(), '\0');
-        const TensorPtrs ts = unpacked(items, "dtype_codes: tensors");
-        for (size_t i = 0; i < ts.size(); ++i) {
-          const auto it = std::find(dtypes.begin(), dtypes.end(), ts[i]->scalar_type());
-          out[i] = it == dtypes.end() ? 0 : static_cast<char>(1 + (it - dtypes.begin()));
+        for (size_t i = 0; i < out.size(); ++i) {
+          PyObject* obj = PyList_GET_ITEM(items.ptr(), static_cast<Py_ssize_t>(i));
+          if (!THPVariable_Check(obj)) continue;
+          const auto it = std::find(dtypes.begin(), dtypes.end(),
+                                    THPVariable_Unpack(obj).scalar_type());
+          if (it != dtypes.end()) out[i] = static_cast<char>(1 + (it - dtypes.begin()));
         }
         return py::bytes(out);
       },
       py::arg("tensors"), py::arg("dtypes"),
-      "For each tensor of a list, one byte: 1 + the index of its dtype in dtypes, 0 if absent.");
+      "For each entry of a list, one byte: 1 + the index of its dtype in dtypes, 0 if it is no "
+      "tensor of one of them.");
   m.def(
       "dense",
       [](const py::list& items, at::ScalarType dtype, const at::Device& device) {
