@@ -230,3 +230,62 @@ def convert(state: torch.Tensor, fmt: str, like: torch.Tensor, *, root: bool,
     if fmt == "full":
         return values.to(full_dtype).view(like.shape).clone()
     return write(fmt, values.to(torch.float32).reshape(like.shape), root=root)[0]
+
+
+# ------------------------------------------------------------------------ DTensor shards
+# Note [sharded 8-bit state]: a DTensor param keeps 8-bit state when its local shard's blocks are
+# blocks of whole rows (``rows_hold_blocks``): every placement Replicate or Shard(0), so that a
+# shard is a run of whole rows of dim 0, and a row a whole number of blocks. A shard's blocks are
+# then the blocks of one process's tensor that hold its rows, and the optimizer keeps the packed
+# tensor of the local shard (a plain tensor: the kernels stream it). A checkpoint holds each
+# 8-bit moment as two DTensors placed like the param, the codes (the param's shape) and the
+# scales (``[rows, row length / BLOCK]``, under the moment's key + "_scales"), so that
+# torch.distributed.checkpoint saves, gathers and reshards them as it does the param.
+def rows_hold_blocks(p: torch.Tensor) -> bool:
+    """Whether the local shards of the DTensor ``p`` are runs of whole rows made of whole 8-bit
+    blocks (Note [sharded 8-bit state])."""
+    if p.dim() == 0 or p.shape[0] == 0 or p.numel() == 0:
+        return False
+    return ((p.numel() // p.shape[0]) % BLOCK == 0 and p.to_local().is_contiguous()
+            and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements))
+
+
+def _placed_like(local: torch.Tensor, p: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``local`` as the local shard of a DTensor of ``shape`` placed like the DTensor ``p``."""
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return type(p).from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def to_shards(packed: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales of the packed 8-bit moment of the DTensor ``p``'s local shard, as
+    DTensors placed like ``p`` (views of ``packed``; Note [sharded 8-bit state])."""
+    lp = p.to_local()
+    scales, codes = split(packed, lp.numel())
+    per_row = p.numel() // p.shape[0] // BLOCK
+    return (_placed_like(codes.view(lp.shape), p, tuple(p.shape)),
+            _placed_like(scales.view(lp.shape[0], per_row), p, (p.shape[0], per_row)))
+
+
+def from_shards(codes: torch.Tensor, scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The packed 8-bit moment of the DTensor ``p``'s local shard from a checkpoint's codes and
+    scales (DTensors, redistributed to ``p``'s placements if theirs differ)."""
+    if not hasattr(scales, "to_local"):
+        raise TypeError("the 8-bit moment of a DTensor param is saved as two DTensors, its codes "
+                        "and, under its key + '_scales', its scales; got scales of type "
+                        f"{type(scales).__name__}")
+    per_row = p.numel() // p.shape[0] // BLOCK
+    if tuple(codes.shape) != tuple(p.shape) or tuple(scales.shape) != (p.shape[0], per_row):
+        raise ValueError(f"8-bit state of shape {tuple(codes.shape)} with scales "
+                         f"{tuple(scales.shape)} does not fit a param of shape {tuple(p.shape)} "
+                         f"(expected scales {(p.shape[0], per_row)})")
+    codes, scales = (t if t.device_mesh == p.device_mesh and t.placements == p.placements
+                     else t.redistribute(p.device_mesh, p.placements) for t in (codes, scales))
+    lp = p.to_local()
+    return pack(codes.to_local().reshape(-1).to(lp.device),
+                scales.to_local().reshape(-1).to(device=lp.device, dtype=torch.float32))
+
+
+def placed(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A local state tensor of the param's shape as a DTensor placed like ``p``."""
+    return _placed_like(local, p, tuple(p.shape))

@@ -264,6 +264,16 @@ class _TrustRatioOptimizer(Optimizer):
         out = super().state_dict()
         # entries that are not a param's dict (opt.state["global_step"] = 1) saved as torch does
         out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for i, p in enumerate(params):
+            st = out["state"].get(i)
+            if not (hasattr(p, "to_local") and isinstance(st, dict)):
+                continue
+            for key in self._state_keys:  # Note [sharded 8-bit state] (lowp.py)
+                t = st.get(key)
+                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and not hasattr(
+                        t, "to_local"):
+                    st[key], st[key + "_scales"] = lowp.to_shards(t, p)
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -349,12 +359,12 @@ class _TrustRatioOptimizer(Optimizer):
         ``state_precision`` for a param of at least ``state_min_numel`` elements (counted over
         the whole param, also when sharded), else full; a non-contiguous param gets bf16 for
         8-bit (a packed state walks the elements in contiguous order), and so does a DTensor
-        (a packed state has no shape to shard by: torch.distributed.checkpoint could not place
-        it)."""
+        whose shards are not runs of whole blocks (Note [sharded 8-bit state], lowp.py)."""
         fmt = group["state_precision"]
         if fmt == "full" or p.numel() < group["state_min_numel"]:
             return "full"
-        if fmt == "8bit" and (hasattr(p, "to_local") or not p.is_contiguous()):
+        if fmt == "8bit" and (not lowp.rows_hold_blocks(p) if hasattr(p, "to_local")
+                              else not p.is_contiguous()):
             return "bf16"
         return fmt
 
@@ -367,7 +377,7 @@ class _TrustRatioOptimizer(Optimizer):
         state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
         fmt = self._state_format(group, p)
         for key in self._state_keys:
-            state[key] = lowp.zeros(p, fmt, dtype=cd)
+            state[key] = lowp.zeros(lp if fmt == "8bit" else p, fmt, dtype=cd)
         if self._uses_master(group, lp):
             state["master_param"] = p.detach().to(torch.float32, copy=True)
 
@@ -753,7 +763,11 @@ class _TrustRatioOptimizer(Optimizer):
                 if key == "master_param":
                     self.state[p][key] = value.to(device=p.device, dtype=compute_dtype(lp.dtype))
                 elif key in self._state_keys:
+                    if value.dtype == torch.uint8 and hasattr(value, "to_local"):
+                        value = lowp.from_shards(value, saved.get(key + "_scales"), p)
                     self.state[p][key] = self._loaded_moment(group, p, key, value, converted)
+                elif key.endswith("_scales") and key[:-len("_scales")] in self._state_keys:
+                    self.state[p].pop(key, None)  # packed into its moment above
         if converted:
             warnings.warn(f"{type(self).__name__}.load_state_dict converted optimizer state from "
                           "one format to another (" + ", ".join(
@@ -776,7 +790,11 @@ class _TrustRatioOptimizer(Optimizer):
         if have == fmt:
             return value
         converted.add((have, fmt))
-        return lowp.convert(value, fmt, lp, root=key == "exp_avg_sq", full_dtype=cd)
+        if not hasattr(p, "to_local"):
+            return lowp.convert(value, fmt, lp, root=key == "exp_avg_sq", full_dtype=cd)
+        # a DTensor's moments convert shard by shard (8-bit ones are plain local tensors)
+        local = lowp.convert(_local(value), fmt, lp, root=key == "exp_avg_sq", full_dtype=cd)
+        return local if fmt == "8bit" else lowp.placed(local, p)
 
 
 class FusedLAMB(_TrustRatioOptimizer):

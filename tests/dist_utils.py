@@ -204,9 +204,9 @@ def scenario_fsdp2(ctx, name: str, backend: str):
 
 def scenario_fsdp2_low_precision(ctx, kind: str, backend: str):
     """Low-precision state on FSDP2 shards (docs/math.md "Low-precision state"): "8bit" is
-    stored as bf16 on a DTensor shard (8-bit blocks would follow the shard's memory, not the
-    tensor's), and training follows one process with bf16 state to bf16 accuracy (the random
-    bits of LAMB's v follow the element's index in the local shard)."""
+    stored as bf16 on these shards (their rows, of 5 to 7 elements, are not whole 8-bit blocks),
+    and training follows one process with bf16 state to bf16 accuracy (the random bits of LAMB's
+    v follow the element's index in the local shard)."""
     base = OPT_CASES[kind]
     kw = dict(base[1], state_precision="8bit", state_min_numel=0)
     rank = ctx["rank"]
@@ -221,6 +221,148 @@ def scenario_fsdp2_low_precision(ctx, kind: str, backend: str):
     key = "exp_avg" if base[0] == "lamb" else "momentum_buffer"
     dtypes = sorted({str(st[key].to_local().dtype) for st in opt.state.values()})
     return dict(err=rel_err([full(p) for p in model.parameters()], ref), state_dtypes=dtypes)
+
+
+class RowsModel(torch.nn.Module):
+    """Weights whose rows are whole 8-bit blocks: [512, 256] (even shards), [3, 512] (uneven)
+    and [1, 512] (rank 1's shard empty); and 1-D params, whose shards are not (bf16 state)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = torch.nn.Linear(256, 512)
+        self.n = torch.nn.LayerNorm(512)
+        self.b = torch.nn.Linear(512, 3)
+        self.c = torch.nn.Linear(512, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.n(self.a(x)))
+        return self.b(h).sum(-1, keepdim=True) + self.c(h)
+
+
+def rows_batch(step: int):
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(GLOBAL_BATCH, 256, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+
+
+def rows_fsdp2(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = RowsModel()
+    for layer in model.children():
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def rows_groups(model):
+    """The matrices with the options given, the 1-D params (bf16 state: their shards are not whole
+    blocks) with weight_decay=0 and adapt=False."""
+    out = groups(model, True)
+    out[1]["state_precision"] = "bf16"
+    return out
+
+
+def _convert_8bit(model, opt, kind, kw, backend, key):
+    """Optimizer.state_dict() of sharded 8-bit state loaded into a full-state optimizer and
+    back: each load converts shard by shard, with one warning."""
+    import warnings
+
+    from fusedopt import lowp
+
+    p = model.a.weight
+    lp = p.to_local()
+    out = {}
+
+    def load(precision, sd):
+        o = make_opt(kind, rows_groups(model), dict(kw, state_precision=precision), backend)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            o.load_state_dict(sd)
+        out[f"warnings_to_{precision}"] = sum("converted" in str(w.message) for w in caught)
+        return o
+
+    full_opt = load("full", opt.state_dict())
+    full_state = full_opt.state[p][key]
+    out["full_type"] = type(full_state).__name__
+    out["full_equal"] = torch.equal(full_state.to_local(), lowp.read(opt.state[p][key], lp.shape))
+    back = load("8bit", full_opt.state_dict())
+    out["back_equal"] = torch.equal(
+        back.state[p][key], lowp.convert(full_state.to_local(), "8bit", lp, root=False))
+    return out
+
+
+def scenario_fsdp2_8bit(ctx, kind: str, backend: str):
+    """8-bit state on FSDP2 shards whose rows are whole blocks (Note [sharded 8-bit state]):
+    training against one process with 8-bit state; a torch.distributed.checkpoint save mid-run
+    that loads into a new optimizer on the same mesh (continuing bit for bit) and into one on a
+    mesh of one rank per process (resharded: every shard whole)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    base = OPT_CASES[kind + "_clip"]
+    kw = dict(base[1], state_precision="8bit", state_min_numel=0)
+    rank = ctx["rank"]
+    whole = StateDictOptions(full_state_dict=True)
+
+    def train(model, opt, steps, sharded=True):
+        for s in steps:
+            x, y = rows_batch(s)
+            if sharded and model.a.weight.device_mesh.size() > 1:
+                x, y = local_rows(x, rank), local_rows(y, rank)
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            opt.step()
+        return [full(p).detach().clone() for p in model.parameters()]
+
+    model = rows_fsdp2(ctx["mesh"])
+    opt = make_opt(base[0], rows_groups(model), kw, backend)
+    train(model, opt, range(2))
+    saved_params = [full(p).detach().clone() for p in model.parameters()]
+    path = os.path.join(ctx["out_dir"], f"ckpt-8bit-{kind}-{backend}")
+    dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
+    gathered = copy.deepcopy(get_optimizer_state_dict(model, opt, options=whole))
+    key = "exp_avg" if kind == "lamb" else "momentum_buffer"
+    state_dtypes = {name: str(gathered["state"][name][key].dtype) for name in gathered["state"]}
+    a = train(model, opt, range(2, 4))
+
+    def restored(mesh):
+        m = rows_fsdp2(mesh)
+        with torch.no_grad():
+            for p, v in zip(m.parameters(), saved_params):
+                p.copy_(type(p).from_local(v, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+                        .redistribute(p.device_mesh, p.placements))
+        o = make_opt(base[0], rows_groups(m), kw, backend)
+        osd = get_optimizer_state_dict(m, o)
+        dcp.load(osd, checkpoint_id=path)
+        set_optimizer_state_dict(m, o, osd)
+        return m, o
+
+    converted = _convert_8bit(model, opt, base[0], kw, backend, key)
+    m2, o2 = restored(ctx["mesh"])
+    b = train(m2, o2, range(2, 4))
+    one = cached(ctx, "mesh2d", lambda: init_device_mesh("cpu", (2, 1),
+                                                         mesh_dim_names=("rep", "shard")))["shard"]
+    m1, o1 = restored(one)
+    regathered = get_optimizer_state_dict(m1, o1, options=whole)
+    differ = sorted(f"{n}.{k}" for n, st in gathered["state"].items() for k, v in st.items()
+                    if not torch.equal(regathered["state"][n][k], v))
+    c = train(m1, o1, range(2, 4))
+
+    def plain(options):
+        m = RowsModel()
+        return m, make_opt(base[0], rows_groups(m), options, backend)
+
+    ref = train(*plain(kw), range(4), sharded=False)
+    full_ref = train(*plain(dict(kw, state_precision="full")), range(4), sharded=False)
+    return dict(converted, state_dtypes=state_dtypes, bitwise_dcp=all(map(torch.equal, a, b)),
+                resharded_state_differs=differ, err_resharded=rel_err(c, a),
+                err_one_process=rel_err(a, ref), err_8bit_vs_full=rel_err(ref, full_ref))
 
 
 def scenario_clip_sensitivity(ctx, backend: str):
@@ -584,6 +726,7 @@ def scenarios(backends: list[str]):
         for kind in ("lamb", "lars"):
             out.append((f"fsdp2_low_precision-{be}-{kind}", scenario_fsdp2_low_precision,
                         (kind, be)))
+            out.append((f"fsdp2_8bit-{be}-{kind}", scenario_fsdp2_8bit, (kind, be)))
         for kind in ("lamb", "lars"):
             out.append((f"mixed_placements-{be}-{kind}", scenario_mixed_placements, (kind, be)))
         out.append((f"mesh_2d-{be}", scenario_mesh_2d, (be,)))
@@ -613,7 +756,8 @@ def main(argv, scenarios_of=None, context=None):
     if context is None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        ctx = {"rank": rank, "mesh": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))}
+        ctx = {"rank": rank, "out_dir": out_dir,
+               "mesh": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))}
     else:
         ctx = context(rank, world, out_dir)
     results = {}

@@ -112,8 +112,8 @@ def test_fsdp2_state_dict_roundtrip(job, backend):
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_fsdp2_low_precision_state(job, backend, kind):
-    """state_precision on DTensor shards: bf16 (8-bit asked), within bf16 rounding of one
-    process with bf16 state."""
+    """state_precision on DTensor shards whose rows are not whole 8-bit blocks: bf16 (8-bit
+    asked), within bf16 rounding of one process with bf16 state."""
     # LARS rounds its buffer to nearest: as one process up to fp32 rounding. LAMB's v draws its
     # random bits by the element's index in the local shard, other bits than one process draws:
     # the two differ by stochastic rounding, which stays below one bf16 step (2^-8)
@@ -121,6 +121,33 @@ def test_fsdp2_low_precision_state(job, backend, kind):
     for res in results(job, f"fsdp2_low_precision-{backend}-{kind}"):
         assert res["state_dtypes"] == ["torch.bfloat16"]
         assert res["err"] <= bound, res["err"]
+
+
+@needs_gloo
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp2_8bit_state(job, backend, kind):
+    """8-bit state on FSDP2 shards whose rows are whole blocks (Note [sharded 8-bit state]):
+    stored as 8 bits; a torch.distributed.checkpoint save loads into a new optimizer on the same
+    mesh (bit for bit on) and into one on a mesh of one rank (resharded: the gathered codes,
+    scales and steps equal the saved ones); a state dict converts to full state and back, shard
+    by shard; training follows one process with 8-bit state."""
+    for res in results(job, f"fsdp2_8bit-{backend}-{kind}"):
+        dtypes = res["state_dtypes"]
+        assert {dtypes[n] for n in ("a.weight", "b.weight", "c.weight")} == {"torch.uint8"}
+        assert {d for n, d in dtypes.items() if "weight" not in n or n == "n.weight"} == {
+            "torch.bfloat16"}, dtypes
+        assert res["bitwise_dcp"], "a state loaded by torch.distributed.checkpoint should continue"
+        assert res["resharded_state_differs"] == []
+        assert res["warnings_to_full"] == res["warnings_to_8bit"] == 1
+        assert res["full_type"] == "DTensor" and res["full_equal"] and res["back_equal"], res
+        # LARS rounds to nearest: one process's codes, up to a code flipped where the norms'
+        # summation order moves a value across a rounding boundary. LAMB's v draws its random
+        # bits by the element's index in the shard: the runs differ by stochastic rounding, less
+        # than 8-bit state differs from full state (a misplaced block or scale differs by more)
+        bound = res["err_8bit_vs_full"] / (20 if kind == "lars" else 1)
+        assert res["err_one_process"] <= bound, res
+        assert res["err_resharded"] <= bound, res
 
 
 # ------------------------------------------------------------------------ mixed placements
