@@ -240,15 +240,16 @@ class RowsModel(torch.nn.Module):
         return self.b(h).sum(-1, keepdim=True) + self.c(h)
 
 
-def rows_batch(step: int):
+def rows_batch(step: int, dtype=torch.float32):
     g = torch.Generator().manual_seed(200 + step)
-    return torch.randn(GLOBAL_BATCH, 256, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+    return (torch.randn(GLOBAL_BATCH, 256, generator=g).to(dtype),
+            torch.randn(GLOBAL_BATCH, 1, generator=g).to(dtype))
 
 
-def rows_fsdp2(mesh):
+def rows_fsdp2(mesh, dtype=torch.float32):
     from torch.distributed.fsdp import fully_shard
 
-    model = RowsModel()
+    model = RowsModel().to(dtype)
     for layer in model.children():
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -291,11 +292,12 @@ def _convert_8bit(model, opt, kind, kw, backend, key):
     return out
 
 
-def scenario_fsdp2_8bit(ctx, kind: str, backend: str):
-    """8-bit state on FSDP2 shards whose rows are whole blocks (Note [sharded 8-bit state]):
-    training against one process with 8-bit state; a torch.distributed.checkpoint save mid-run
-    that loads into a new optimizer on the same mesh (continuing bit for bit) and into one on a
-    mesh of one rank per process (resharded: every shard whole)."""
+def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
+    """8-bit state on FSDP2 shards whose rows are whole blocks (Note [sharded 8-bit state]), of
+    params of ``dtype`` (bf16: with master weights): training against one process with 8-bit
+    state; a torch.distributed.checkpoint save mid-run that loads into a new optimizer on the
+    same mesh (continuing bit for bit) and into one on a mesh of one rank per process
+    (resharded: every shard whole)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -309,10 +311,11 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str):
     kw = dict(base[1], state_precision="8bit", state_min_numel=0)
     rank = ctx["rank"]
     whole = StateDictOptions(full_state_dict=True)
+    dtype = getattr(torch, dtype)
 
     def train(model, opt, steps, sharded=True):
         for s in steps:
-            x, y = rows_batch(s)
+            x, y = rows_batch(s, dtype)
             if sharded and model.a.weight.device_mesh.size() > 1:
                 x, y = local_rows(x, rank), local_rows(y, rank)
             opt.zero_grad()
@@ -320,7 +323,7 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str):
             opt.step()
         return [full(p).detach().clone() for p in model.parameters()]
 
-    model = rows_fsdp2(ctx["mesh"])
+    model = rows_fsdp2(ctx["mesh"], dtype)
     opt = make_opt(base[0], rows_groups(model), kw, backend)
     train(model, opt, range(2))
     saved_params = [full(p).detach().clone() for p in model.parameters()]
@@ -332,7 +335,7 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str):
     a = train(model, opt, range(2, 4))
 
     def restored(mesh):
-        m = rows_fsdp2(mesh)
+        m = rows_fsdp2(mesh, dtype)
         with torch.no_grad():
             for p, v in zip(m.parameters(), saved_params):
                 p.copy_(type(p).from_local(v, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
@@ -355,12 +358,14 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str):
     c = train(m1, o1, range(2, 4))
 
     def plain(options):
-        m = RowsModel()
+        m = RowsModel().to(dtype)
         return m, make_opt(base[0], rows_groups(m), options, backend)
 
     ref = train(*plain(kw), range(4), sharded=False)
     full_ref = train(*plain(dict(kw, state_precision="full")), range(4), sharded=False)
-    return dict(converted, state_dtypes=state_dtypes, bitwise_dcp=all(map(torch.equal, a, b)),
+    masters = sorted({type(st["master_param"]).__name__ for st in opt.state.values()
+                      if "master_param" in st})
+    return dict(converted, state_dtypes=state_dtypes, masters=masters, bitwise_dcp=all(map(torch.equal, a, b)),
                 resharded_state_differs=differ, err_resharded=rel_err(c, a),
                 err_one_process=rel_err(a, ref), err_8bit_vs_full=rel_err(ref, full_ref))
 
@@ -727,6 +732,8 @@ def scenarios(backends: list[str]):
             out.append((f"fsdp2_low_precision-{be}-{kind}", scenario_fsdp2_low_precision,
                         (kind, be)))
             out.append((f"fsdp2_8bit-{be}-{kind}", scenario_fsdp2_8bit, (kind, be)))
+            out.append((f"fsdp2_8bit_bf16-{be}-{kind}", scenario_fsdp2_8bit,
+                        (kind, be, "bfloat16")))
         for kind in ("lamb", "lars"):
             out.append((f"mixed_placements-{be}-{kind}", scenario_mixed_placements, (kind, be)))
         out.append((f"mesh_2d-{be}", scenario_mesh_2d, (be,)))
