@@ -2,6 +2,8 @@
 
     python bench/compare_builds.py OLD_TREE NEW_TREE [--rounds 5] [--steps 30] [--cases 4000]
 
+A tree from before ``state_precision`` can run only the cases with full state.
+
 Each tree must hold a built extension (``python setup.py build_ext --inplace`` in it). Every round
 runs one process per tree, in turn, so that a machine whose speed drifts slows both alike; each
 process times ``--steps`` steps of each case after warm-up and prints its median. The table gives
@@ -17,12 +19,15 @@ import statistics
 import subprocess
 import sys
 
+# name -> (optimizer, shapes, flattened, state_precision)
 CASES = {
-    "bert-base LAMB": ("lamb", "bert", False),
-    "bert-base LARS": ("lars", "bert", False),
-    "4000 x 2,500 LAMB": ("lamb", "small", False),
-    "4000 x 2,500 LAMB, flattened": ("lamb", "small", True),
-    "4000 x 64 LAMB": ("lamb", "tiny", False),
+    "bert-base LAMB": ("lamb", "bert", False, "full"),
+    "bert-base LARS": ("lars", "bert", False, "full"),
+    "4000 x 2,500 LAMB": ("lamb", "small", False, "full"),
+    "4000 x 2,500 LAMB, flattened": ("lamb", "small", True, "full"),
+    "4000 x 64 LAMB": ("lamb", "tiny", False, "full"),
+    "bert-base LAMB, 8-bit state": ("lamb", "bert", False, "8bit"),
+    "bert-base LARS, 8-bit state": ("lars", "bert", False, "8bit"),
 }
 
 CHILD = r'''
@@ -47,7 +52,7 @@ def timed(fn, n):
     return statistics.median(times) * 1e3
 
 
-for name, (kind, shapes_name, flat) in cases.items():
+for name, (kind, shapes_name, flat, precision) in cases.items():
     shapes = {"bert": bert_base_shapes, "small": lambda: [(2500,)] * 4000,
               "tiny": lambda: [(64,)] * 4000}[shapes_name]()
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
@@ -56,8 +61,9 @@ for name, (kind, shapes_name, flat) in cases.items():
     if flat:
         fusedopt.flatten_parameters(params)  # grads copied into slices of a grad buffer
     cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    extra = {} if precision == "full" else {"state_precision": precision}
     opt = cls(params, lr=1e-3 if kind == "lamb" else 0.1, weight_decay=0.01, max_grad_norm=1.0,
-              backend="cpp")
+              backend="cpp", **extra)
     for _ in range(3):
         opt.step()
     out[name] = timed(opt.step, steps)
