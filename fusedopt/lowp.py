@@ -232,21 +232,33 @@ def convert(state: torch.Tensor, fmt: str, like: torch.Tensor, *, root: bool,
     return write(fmt, values.to(torch.float32).reshape(like.shape), root=root)[0]
 
 
-# ------------------------------------------------------------------------ DTensor shards
-# Note [sharded 8-bit state]: a DTensor param keeps 8-bit state when its local shard's blocks are
-# blocks of whole rows (``rows_hold_blocks``): every placement Replicate or Shard(0), so that a
-# shard is a run of whole rows of dim 0, and a row a whole number of blocks. A shard's blocks are
-# then the blocks of one process's tensor that hold its rows, and the optimizer keeps the packed
-# tensor of the local shard (a plain tensor: the kernels stream it). A checkpoint holds each
-# 8-bit moment as two DTensors placed like the param, the codes (the param's shape) and the
-# scales (``[rows, row length / BLOCK]``, under the moment's key + "_scales"), so that
-# torch.distributed.checkpoint saves, gathers and reshards them as it does the param.
+# ------------------------------------------------------------------------- state dicts
+# Note [saved 8-bit state]: a state dict holds each 8-bit moment as two tensors, its codes
+# (uint8, the param's shape) under the moment's key and its scales (float32) under the key +
+# "_scales": ``[rows, row length / BLOCK]`` when the rows of dim 0 are whole blocks
+# (``scales_shape``), else ``[blocks]``. The optimizer keeps them packed (one tensor per moment,
+# which the kernels stream); the saved form is the one that shards: the blocks of a param whose
+# rows are whole blocks lie in its rows, so the codes and scales of a shard of rows are its
+# packed state, and a checkpoint of one process and one of FSDP2 shards (DTensors placed like
+# the param) hold the same tensors, which torch.distributed.checkpoint saves, gathers and
+# reshards as it does the param.
+#
+# Note [sharded 8-bit state]: a DTensor param keeps 8-bit state when its local shards are runs of
+# whole blocks (``rows_hold_blocks``): every placement Replicate or Shard(0), and a row a whole
+# number of blocks. The optimizer keeps the packed tensor of the local shard (a plain tensor).
+def scales_shape(shape: torch.Size) -> tuple[int, ...]:
+    """The shape of the saved scales of an 8-bit moment of a param of ``shape`` (Note [saved
+    8-bit state])."""
+    n = shape.numel()
+    if len(shape) > 0 and n > 0 and (n // shape[0]) % BLOCK == 0:
+        return (shape[0], n // shape[0] // BLOCK)
+    return (n_blocks(n),)
+
+
 def rows_hold_blocks(p: torch.Tensor) -> bool:
     """Whether the local shards of the DTensor ``p`` are runs of whole rows made of whole 8-bit
     blocks (Note [sharded 8-bit state])."""
-    if p.dim() == 0 or p.shape[0] == 0 or p.numel() == 0:
-        return False
-    return ((p.numel() // p.shape[0]) % BLOCK == 0 and p.to_local().is_contiguous()
+    return (len(scales_shape(p.shape)) == 2 and p.to_local().is_contiguous()
             and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements))
 
 
@@ -257,33 +269,55 @@ def _placed_like(local: torch.Tensor, p: torch.Tensor, shape: tuple) -> torch.Te
                               stride=stride)
 
 
-def to_shards(packed: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes and scales of the packed 8-bit moment of the DTensor ``p``'s local shard, as
-    DTensors placed like ``p`` (views of ``packed``; Note [sharded 8-bit state])."""
-    lp = p.to_local()
+def saved_form(packed: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales of the packed 8-bit moment of ``p`` (of its local shard for a
+    DTensor, then as DTensors placed like ``p``): the codes a view of ``packed``, the scales a
+    copy (Note [saved 8-bit state])."""
+    lp = p.to_local() if hasattr(p, "to_local") else p
     scales, codes = split(packed, lp.numel())
-    per_row = p.numel() // p.shape[0] // BLOCK
-    return (_placed_like(codes.view(lp.shape), p, tuple(p.shape)),
-            _placed_like(scales.view(lp.shape[0], per_row), p, (p.shape[0], per_row)))
+    # the scales copied: torch.save refuses two views of one storage as different dtypes
+    scales, codes = scales.clone(), codes.view(lp.shape)
+    shape = scales_shape(p.shape)
+    if not hasattr(p, "to_local"):
+        return codes, scales.view(shape)
+    return (_placed_like(codes, p, tuple(p.shape)),
+            _placed_like(scales.view(lp.shape[0], shape[1]), p, shape))
 
 
-def from_shards(codes: torch.Tensor, scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The packed 8-bit moment of the DTensor ``p``'s local shard from a checkpoint's codes and
-    scales (DTensors, redistributed to ``p``'s placements if theirs differ)."""
-    if not hasattr(scales, "to_local"):
-        raise TypeError("the 8-bit moment of a DTensor param is saved as two DTensors, its codes "
-                        "and, under its key + '_scales', its scales; got scales of type "
-                        f"{type(scales).__name__}")
-    per_row = p.numel() // p.shape[0] // BLOCK
-    if tuple(codes.shape) != tuple(p.shape) or tuple(scales.shape) != (p.shape[0], per_row):
-        raise ValueError(f"8-bit state of shape {tuple(codes.shape)} with scales "
-                         f"{tuple(scales.shape)} does not fit a param of shape {tuple(p.shape)} "
-                         f"(expected scales {(p.shape[0], per_row)})")
-    codes, scales = (t if t.device_mesh == p.device_mesh and t.placements == p.placements
-                     else t.redistribute(p.device_mesh, p.placements) for t in (codes, scales))
-    lp = p.to_local()
-    return pack(codes.to_local().reshape(-1).to(lp.device),
-                scales.to_local().reshape(-1).to(device=lp.device, dtype=torch.float32))
+def from_saved(codes: torch.Tensor, scales: torch.Tensor | None,
+               p: torch.Tensor) -> torch.Tensor:
+    """The packed 8-bit moment of ``p`` (of its local shard for a DTensor) from the codes and
+    scales of a state dict (DTensors or whole tensors; Note [saved 8-bit state])."""
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError("an 8-bit moment is saved as its codes and, under its key + '_scales', "
+                        f"its scales; got scales of type {type(scales).__name__}")
+    shape = scales_shape(p.shape)
+    if tuple(codes.shape) != tuple(p.shape) or scales.numel() != n_blocks(p.numel()):
+        raise ValueError(f"8-bit codes of shape {tuple(codes.shape)} with {scales.numel()} "
+                         f"scales do not fit a param of shape {tuple(p.shape)} (expected "
+                         f"{n_blocks(p.numel())} scales)")
+    if hasattr(p, "to_local"):
+        if not rows_hold_blocks(p):
+            raise ValueError("8-bit state saved for a param whose shards are not whole 8-bit "
+                             "blocks cannot be placed on its shards; load it with "
+                             "state_precision='full' on one process first")
+        from torch.distributed.tensor import Replicate
+
+        def local(t):  # t's part of p's local shard; a whole tensor is the same on every rank
+            if not hasattr(t, "to_local"):
+                t = type(p).from_local(t.to(p.device), p.device_mesh,
+                                       [Replicate()] * p.device_mesh.ndim, run_check=False)
+            if t.device_mesh != p.device_mesh or t.placements != p.placements:
+                t = t.redistribute(p.device_mesh, p.placements)
+            return t.to_local()
+
+        codes, scales = local(codes), local(scales.reshape(shape))
+    else:
+        codes, scales = (t.full_tensor() if hasattr(t, "full_tensor") else t
+                         for t in (codes, scales))
+    device = p.device if not hasattr(p, "to_local") else p.to_local().device
+    return pack(codes.reshape(-1).to(device),
+                scales.reshape(-1).to(device=device, dtype=torch.float32))
 
 
 def placed(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -267,13 +267,10 @@ class _TrustRatioOptimizer(Optimizer):
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for i, p in enumerate(params):
             st = out["state"].get(i)
-            if not (hasattr(p, "to_local") and isinstance(st, dict)):
-                continue
-            for key in self._state_keys:  # Note [sharded 8-bit state] (lowp.py)
-                t = st.get(key)
-                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and not hasattr(
-                        t, "to_local"):
-                    st[key], st[key + "_scales"] = lowp.to_shards(t, p)
+            for key in self._state_keys if isinstance(st, dict) else ():
+                t = st.get(key)  # Note [saved 8-bit state] (lowp.py)
+                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
+                    st[key], st[key + "_scales"] = lowp.saved_form(t, p)
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -733,15 +730,35 @@ class _TrustRatioOptimizer(Optimizer):
         step count stays a float32 tensor on the param's device (torch would cast both), each
         group keeps the options of ``_OWN_OPTIONS`` it has (how this process runs and stores the
         step, not what was learned), and moments saved in another format than the group's
-        ``state_precision`` gives them are converted (one warning)."""
+        ``state_precision`` gives them are converted (one warning). 8-bit moments are read as
+        saved (codes and scales, Note [saved 8-bit state] in lowp.py), before anything changes."""
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        packed = {}  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
+        for pid, (_, p) in zip(saved_ids, params) if len(saved_ids) == len(params) else ():
+            saved = state_dict["state"].get(pid) or {}
+            for key in self._state_keys:
+                value = saved.get(key)
+                if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8):
+                    continue
+                if key + "_scales" in saved:
+                    packed[pid, key] = lowp.from_saved(value, saved[key + "_scales"], p)
+                    continue
+                size = lowp.packed_numel(p.numel())  # packed for the whole tensor (older versions)
+                if value.dim() != 1 or value.numel() != size:
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: the 8-bit {key!r} of param {pid} "
+                        f"is {tuple(value.shape)} bytes without {key + '_scales'!r}; expected "
+                        f"codes and scales, or {size} packed bytes")
+                if hasattr(p, "to_local"):
+                    whole = torch.empty(p.shape, device="meta")
+                    packed[pid, key] = lowp.from_saved(*lowp.saved_form(value, whole), p)
         own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
         super().load_state_dict(state_dict)
         _unshare_lrs(self.param_groups)
         self._fresh()  # Note [step cache]; the loaded options are checked at step()
         for g, mine in zip(self.param_groups, own):
             g.update(mine)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = ((g, p) for g in self.param_groups for p in g["params"])
         converted: set[tuple[str, str]] = set()
         for pid, (group, p) in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
@@ -763,8 +780,7 @@ class _TrustRatioOptimizer(Optimizer):
                 if key == "master_param":
                     self.state[p][key] = value.to(device=p.device, dtype=compute_dtype(lp.dtype))
                 elif key in self._state_keys:
-                    if value.dtype == torch.uint8 and hasattr(value, "to_local"):
-                        value = lowp.from_shards(value, saved.get(key + "_scales"), p)
+                    value = packed.get((pid, key), value)
                     self.state[p][key] = self._loaded_moment(group, p, key, value, converted)
                 elif key.endswith("_scales") and key[:-len("_scales")] in self._state_keys:
                     self.state[p].pop(key, None)  # packed into its moment above

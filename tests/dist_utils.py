@@ -307,6 +307,8 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
 
+    from fusedopt import lowp
+
     base = OPT_CASES[kind + "_clip"]
     kw = dict(base[1], state_precision="8bit", state_min_numel=0)
     rank = ctx["rank"]
@@ -351,11 +353,33 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     b = train(m2, o2, range(2, 4))
     one = cached(ctx, "mesh2d", lambda: init_device_mesh("cpu", (2, 1),
                                                          mesh_dim_names=("rep", "shard")))["shard"]
+    def differ(sd):
+        return sorted(f"{n}.{k}" for n, st in gathered["state"].items() for k, v in st.items()
+                      if not torch.equal(full(sd["state"][n][k]), v))
+
     m1, o1 = restored(one)
-    regathered = get_optimizer_state_dict(m1, o1, options=whole)
-    differ = sorted(f"{n}.{k}" for n, st in gathered["state"].items() for k, v in st.items()
-                    if not torch.equal(regathered["state"][n][k], v))
+    resharded = differ(get_optimizer_state_dict(m1, o1, options=whole))
     c = train(m1, o1, range(2, 4))
+    # the sharded checkpoint loaded by one process (no DTensors), and that state into shards
+    one_model = RowsModel().to(dtype)
+    with torch.no_grad():
+        for p, v in zip(one_model.parameters(), saved_params):
+            p.copy_(v)
+    one_opt = make_opt(base[0], rows_groups(one_model), kw, backend)
+    one_sd = get_optimizer_state_dict(one_model, one_opt)
+    dcp.load(one_sd, checkpoint_id=path)
+    set_optimizer_state_dict(one_model, one_opt, one_sd)
+    one_sd = copy.deepcopy(get_optimizer_state_dict(one_model, one_opt))
+    m3 = rows_fsdp2(ctx["mesh"], dtype)
+    o3 = make_opt(base[0], rows_groups(m3), kw, backend)
+    set_optimizer_state_dict(m3, o3, one_sd, options=whole)
+    packed = copy.deepcopy(one_opt.state_dict())  # as older versions saved 8-bit state
+    for st in packed["state"].values():
+        for key in [k for k in st if k.endswith("_scales")]:
+            st[key[:-7]] = lowp.pack(st[key[:-7]].reshape(-1), st.pop(key).reshape(-1))
+    m4 = rows_fsdp2(ctx["mesh"], dtype)
+    o4 = make_opt(base[0], rows_groups(m4), kw, backend)
+    o4.load_state_dict(packed)
 
     def plain(options):
         m = RowsModel().to(dtype)
@@ -366,7 +390,10 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     masters = sorted({type(st["master_param"]).__name__ for st in opt.state.values()
                       if "master_param" in st})
     return dict(converted, state_dtypes=state_dtypes, masters=masters, bitwise_dcp=all(map(torch.equal, a, b)),
-                resharded_state_differs=differ, err_resharded=rel_err(c, a),
+                resharded_state_differs=resharded, one_process_state_differs=differ(one_sd),
+                from_one_process_state_differs=differ(get_optimizer_state_dict(m3, o3,
+                                                                               options=whole)),
+                from_packed_state_differs=differ(get_optimizer_state_dict(m4, o4, options=whole)), err_resharded=rel_err(c, a),
                 err_one_process=rel_err(a, ref), err_8bit_vs_full=rel_err(ref, full_ref))
 
 

@@ -130,8 +130,10 @@ def test_fsdp2_low_precision_state(job, backend, kind):
 def test_fsdp2_8bit_state(job, backend, kind, dtype):
     """8-bit state on FSDP2 shards whose rows are whole blocks (Note [sharded 8-bit state]):
     stored as 8 bits; a torch.distributed.checkpoint save loads into a new optimizer on the same
-    mesh (bit for bit on) and into one on a mesh of one rank (resharded: the gathered codes,
-    scales and steps equal the saved ones); a state dict converts to full state and back, shard
+    mesh (bit for bit on), into one on a mesh of one rank and into one process without
+    DTensors (the gathered codes, scales and steps equal the saved ones), and that process's
+    state dict into shards again (equal; also in the packed form of older versions); a state
+    dict converts to full state and back, shard
     by shard; training follows one process with 8-bit state. bf16 params: with master weights
     (DTensors)."""
     name = "fsdp2_8bit" if dtype == "float32" else "fsdp2_8bit_bf16"
@@ -143,6 +145,8 @@ def test_fsdp2_8bit_state(job, backend, kind, dtype):
             "torch.bfloat16"}, dtypes
         assert res["bitwise_dcp"], "a state loaded by torch.distributed.checkpoint should continue"
         assert res["resharded_state_differs"] == []
+        assert res["one_process_state_differs"] == res["from_one_process_state_differs"] == []
+        assert res["from_packed_state_differs"] == []
         assert res["warnings_to_full"] == res["warnings_to_8bit"] == 1
         assert res["full_type"] == "DTensor" and res["full_equal"] and res["back_equal"], res
         # LARS rounds to nearest: one process's codes, up to a code flipped where the norms'

@@ -344,6 +344,61 @@ def test_checkpoint_round_trip_continues_bit_for_bit(kind, precision, backend):
         assert torch.equal(a, b), k1
 
 
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_state_dict_holds_8bit_codes_and_scales(kind):
+    """Note [saved 8-bit state] (fusedopt/lowp.py): each 8-bit moment saved as its codes (the
+    param's shape) and its scales ([rows, row length / 256] where rows are whole blocks, else
+    [blocks]), which hold the values the optimizer stores; a state dict packed for the whole
+    tensor (an older version's) loads and continues bit for bit."""
+    shapes = ((8, 512), (4100,), (70, 90))
+    params, opt = _run(kind, "cpp", "8bit", steps=2, shapes=shapes, state_min_numel=0)
+    sd = copy.deepcopy(opt.state_dict())
+    keys = ("exp_avg", "exp_avg_sq") if kind == "lamb" else ("momentum_buffer",)
+    for i, (p, want) in enumerate(zip(params, ((8, 2), (17,), (25,)))):
+        for key in keys:
+            codes, scales = sd["state"][i][key], sd["state"][i][key + "_scales"]
+            assert codes.dtype == torch.uint8 and codes.shape == p.shape
+            assert scales.dtype == torch.float32 and tuple(scales.shape) == want
+            root = key == "exp_avg_sq"
+            assert torch.equal(lowp.read(lowp.pack(codes.view(-1), scales.view(-1)), p.shape, root),
+                               lowp.read(opt.state[p][key], p.shape, root))
+    for i in range(len(params)):  # the packed form of older versions
+        for key in keys:
+            st = sd["state"][i]
+            st[key] = lowp.pack(st[key].view(-1), st.pop(key + "_scales").view(-1))
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = _opt(kind, twins, "cpp", "8bit", state_min_numel=0)
+    twin.load_state_dict(sd)
+    for ps, o in ((params, opt), (twins, twin)):
+        gen = torch.Generator().manual_seed(9)
+        for _ in range(2):
+            _grads(ps, gen)
+            o.step()
+    for a, b in zip(params, twins):
+        assert torch.equal(a, b)
+    for (k1, a), (k2, b) in zip(_state_bytes(opt, params), _state_bytes(twin, twins)):
+        assert k1 == k2 and torch.equal(a, b), k1
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda st: st.update(exp_avg_scales=st["exp_avg_scales"][:1]), "scales do not fit"),
+    (lambda st: st.pop("exp_avg_sq_scales"), "bytes without 'exp_avg_sq_scales'"),
+    (lambda st: st.update(exp_avg_scales=None), "scales of type NoneType"),
+])
+def test_a_damaged_8bit_state_dict_is_refused_before_anything_changes(damage, message):
+    params, opt = _run("lamb", "cpp", "8bit", steps=2, shapes=((8, 512), (4100,)),
+                       state_min_numel=0)
+    before = _state_bytes(opt, params)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    damage(sd["state"][1])
+    with pytest.raises((ValueError, TypeError), match=message):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] != 0.5
+    for (k, a), (_, b) in zip(before, _state_bytes(opt, params)):
+        assert torch.equal(a, b), k
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_loading_state_of_another_format_converts_with_one_warning(precision):
     """fp32 state into a low-precision optimizer and back: converted (one warning each way), and
