@@ -321,6 +321,19 @@ def test_a_block_with_one_large_and_many_tiny_values(precision, tiny):
 
 
 # ------------------------------------------------------------------------------ checkpoints
+def _assert_continue_alike(params, opt, twins, twin):
+    """Two more steps on the same grads leave both runs' params and state bit-identical."""
+    for ps, o in ((params, opt), (twins, twin)):
+        gen = torch.Generator().manual_seed(9)
+        for _ in range(2):
+            _grads(ps, gen)
+            o.step()
+    for a, b in zip(params, twins):
+        assert torch.equal(a, b)
+    for (k1, a), (k2, b) in zip(_state_bytes(opt, params), _state_bytes(twin, twins)):
+        assert k1 == k2 and torch.equal(a, b), k1
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
@@ -333,15 +346,7 @@ def test_checkpoint_round_trip_continues_bit_for_bit(kind, precision, backend):
     twins = [torch.nn.Parameter(w.clone()) for w in saved["p"]]
     twin = _opt(kind, twins, backend, precision)
     twin.load_state_dict(saved["o"])
-    for ps, o in ((params, opt), (twins, twin)):
-        gen = torch.Generator().manual_seed(9)
-        for _ in range(2):
-            _grads(ps, gen)
-            o.step()
-    for a, b in zip(params, twins):
-        assert torch.equal(a, b)
-    for (k1, a), (k2, b) in zip(_state_bytes(opt, params), _state_bytes(twin, twins)):
-        assert torch.equal(a, b), k1
+    _assert_continue_alike(params, opt, twins, twin)
 
 
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
@@ -369,15 +374,7 @@ def test_state_dict_holds_8bit_codes_and_scales(kind):
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     twin = _opt(kind, twins, "cpp", "8bit", state_min_numel=0)
     twin.load_state_dict(sd)
-    for ps, o in ((params, opt), (twins, twin)):
-        gen = torch.Generator().manual_seed(9)
-        for _ in range(2):
-            _grads(ps, gen)
-            o.step()
-    for a, b in zip(params, twins):
-        assert torch.equal(a, b)
-    for (k1, a), (k2, b) in zip(_state_bytes(opt, params), _state_bytes(twin, twins)):
-        assert k1 == k2 and torch.equal(a, b), k1
+    _assert_continue_alike(params, opt, twins, twin)
 
 
 @pytest.mark.parametrize("damage, message", [
