@@ -292,12 +292,44 @@ def _convert_8bit(model, opt, kind, kw, backend, key):
     return out
 
 
+def _rows_run(ctx, kind, kw, backend, dtype):
+    """Helpers of scenario_fsdp2_8bit: make(mesh) -> (model, optimizer), the mesh None for one
+    process without DTensors; train(model, opt, steps) -> the full params after the steps."""
+    def make(mesh, options=kw, params=None):
+        model = RowsModel().to(dtype) if mesh is None else rows_fsdp2(mesh, dtype)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), params or ()):
+                p.copy_(v if mesh is None else distribute_like(v, p))
+        return model, make_opt(kind, rows_groups(model), options, backend)
+
+    def train(model, opt, steps):
+        for s in steps:
+            x, y = rows_batch(s, dtype)
+            if hasattr(model.a.weight, "device_mesh") and model.a.weight.device_mesh.size() > 1:
+                x, y = local_rows(x, ctx["rank"]), local_rows(y, ctx["rank"])
+            opt.zero_grad()
+            loss_fn(model, x, y).backward()
+            opt.step()
+        return [full(p).detach().clone() for p in model.parameters()]
+
+    return make, train
+
+
+def distribute_like(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor ``v`` (the same on every rank) as a DTensor placed like ``p``."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = p.device_mesh
+    return type(p).from_local(v, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, p.placements)
+
+
 def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     """8-bit state on FSDP2 shards whose rows are whole blocks (Note [sharded 8-bit state]), of
     params of ``dtype`` (bf16: with master weights): training against one process with 8-bit
-    state; a torch.distributed.checkpoint save mid-run that loads into a new optimizer on the
-    same mesh (continuing bit for bit) and into one on a mesh of one rank per process
-    (resharded: every shard whole)."""
+    state; a torch.distributed.checkpoint save mid-run loaded into a new optimizer on the same
+    mesh (continuing bit for bit), on a mesh of one rank per process and in one process without
+    DTensors; that process's state dict set into shards again, also in the packed form of older
+    versions (each compared with the saved state, gathered)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -305,96 +337,65 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
         set_optimizer_state_dict,
     )
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
 
     from fusedopt import lowp
 
     base = OPT_CASES[kind + "_clip"]
     kw = dict(base[1], state_precision="8bit", state_min_numel=0)
-    rank = ctx["rank"]
     whole = StateDictOptions(full_state_dict=True)
-    dtype = getattr(torch, dtype)
-
-    def train(model, opt, steps, sharded=True):
-        for s in steps:
-            x, y = rows_batch(s, dtype)
-            if sharded and model.a.weight.device_mesh.size() > 1:
-                x, y = local_rows(x, rank), local_rows(y, rank)
-            opt.zero_grad()
-            loss_fn(model, x, y).backward()
-            opt.step()
-        return [full(p).detach().clone() for p in model.parameters()]
-
-    model = rows_fsdp2(ctx["mesh"], dtype)
-    opt = make_opt(base[0], rows_groups(model), kw, backend)
+    make, train = _rows_run(ctx, base[0], kw, backend, getattr(torch, dtype))
+    model, opt = make(ctx["mesh"])
     train(model, opt, range(2))
     saved_params = [full(p).detach().clone() for p in model.parameters()]
-    path = os.path.join(ctx["out_dir"], f"ckpt-8bit-{kind}-{backend}")
+    path = os.path.join(ctx["out_dir"], f"ckpt-8bit-{kind}-{backend}-{dtype}")
     dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
     gathered = copy.deepcopy(get_optimizer_state_dict(model, opt, options=whole))
     key = "exp_avg" if kind == "lamb" else "momentum_buffer"
-    state_dtypes = {name: str(gathered["state"][name][key].dtype) for name in gathered["state"]}
+    out = dict(_convert_8bit(model, opt, base[0], kw, backend, key),
+               state_dtypes={n: str(st[key].dtype) for n, st in gathered["state"].items()},
+               masters=sorted({type(st["master_param"]).__name__ for st in opt.state.values()
+                               if "master_param" in st}))
     a = train(model, opt, range(2, 4))
 
-    def restored(mesh):
-        m = rows_fsdp2(mesh, dtype)
-        with torch.no_grad():
-            for p, v in zip(m.parameters(), saved_params):
-                p.copy_(type(p).from_local(v, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
-                        .redistribute(p.device_mesh, p.placements))
-        o = make_opt(base[0], rows_groups(m), kw, backend)
+    def loaded(mesh):
+        m, o = make(mesh, params=saved_params)
         osd = get_optimizer_state_dict(m, o)
         dcp.load(osd, checkpoint_id=path)
         set_optimizer_state_dict(m, o, osd)
         return m, o
 
-    converted = _convert_8bit(model, opt, base[0], kw, backend, key)
-    m2, o2 = restored(ctx["mesh"])
-    b = train(m2, o2, range(2, 4))
-    one = cached(ctx, "mesh2d", lambda: init_device_mesh("cpu", (2, 1),
-                                                         mesh_dim_names=("rep", "shard")))["shard"]
-    def differ(sd):
+    def differ(m, o):
+        """The entries of (m, o)'s gathered state that differ from the saved ones."""
+        sd = get_optimizer_state_dict(m, o, options=whole)
         return sorted(f"{n}.{k}" for n, st in gathered["state"].items() for k, v in st.items()
                       if not torch.equal(full(sd["state"][n][k]), v))
 
-    m1, o1 = restored(one)
-    resharded = differ(get_optimizer_state_dict(m1, o1, options=whole))
-    c = train(m1, o1, range(2, 4))
-    # the sharded checkpoint loaded by one process (no DTensors), and that state into shards
-    one_model = RowsModel().to(dtype)
-    with torch.no_grad():
-        for p, v in zip(one_model.parameters(), saved_params):
-            p.copy_(v)
-    one_opt = make_opt(base[0], rows_groups(one_model), kw, backend)
-    one_sd = get_optimizer_state_dict(one_model, one_opt)
-    dcp.load(one_sd, checkpoint_id=path)
-    set_optimizer_state_dict(one_model, one_opt, one_sd)
-    one_sd = copy.deepcopy(get_optimizer_state_dict(one_model, one_opt))
-    m3 = rows_fsdp2(ctx["mesh"], dtype)
-    o3 = make_opt(base[0], rows_groups(m3), kw, backend)
-    set_optimizer_state_dict(m3, o3, one_sd, options=whole)
-    packed = copy.deepcopy(one_opt.state_dict())  # as older versions saved 8-bit state
+    m2, o2 = loaded(ctx["mesh"])
+    out["bitwise_dcp"] = all(map(torch.equal, a, train(m2, o2, range(2, 4))))
+    one = cached(ctx, "mesh2d", lambda: init_device_mesh(
+        "cpu", (2, 1), mesh_dim_names=("rep", "shard")))["shard"]
+    m1, o1 = loaded(one)
+    out["resharded_state_differs"] = differ(m1, o1)
+    out["err_resharded"] = rel_err(train(m1, o1, range(2, 4)), a)
+    m0, o0 = loaded(None)
+    out["one_process_state_differs"] = differ(m0, o0)
+    m3, o3 = make(ctx["mesh"])
+    set_optimizer_state_dict(m3, o3, copy.deepcopy(get_optimizer_state_dict(m0, o0)),
+                             options=whole)
+    out["from_one_process_state_differs"] = differ(m3, o3)
+    packed = copy.deepcopy(o0.state_dict())  # as older versions saved 8-bit state
     for st in packed["state"].values():
-        for key in [k for k in st if k.endswith("_scales")]:
-            st[key[:-7]] = lowp.pack(st[key[:-7]].reshape(-1), st.pop(key).reshape(-1))
-    m4 = rows_fsdp2(ctx["mesh"], dtype)
-    o4 = make_opt(base[0], rows_groups(m4), kw, backend)
+        for scales in [k for k in st if k.endswith("_scales")]:
+            moment = scales[:-len("_scales")]
+            st[moment] = lowp.pack(st[moment].reshape(-1), st.pop(scales).reshape(-1))
+    m4, o4 = make(ctx["mesh"])
     o4.load_state_dict(packed)
-
-    def plain(options):
-        m = RowsModel().to(dtype)
-        return m, make_opt(base[0], rows_groups(m), options, backend)
-
-    ref = train(*plain(kw), range(4), sharded=False)
-    full_ref = train(*plain(dict(kw, state_precision="full")), range(4), sharded=False)
-    masters = sorted({type(st["master_param"]).__name__ for st in opt.state.values()
-                      if "master_param" in st})
-    return dict(converted, state_dtypes=state_dtypes, masters=masters, bitwise_dcp=all(map(torch.equal, a, b)),
-                resharded_state_differs=resharded, one_process_state_differs=differ(one_sd),
-                from_one_process_state_differs=differ(get_optimizer_state_dict(m3, o3,
-                                                                               options=whole)),
-                from_packed_state_differs=differ(get_optimizer_state_dict(m4, o4, options=whole)), err_resharded=rel_err(c, a),
-                err_one_process=rel_err(a, ref), err_8bit_vs_full=rel_err(ref, full_ref))
+    out["from_packed_state_differs"] = differ(m4, o4)
+    ref = train(*make(None), range(4))
+    out["err_one_process"] = rel_err(a, ref)
+    out["err_8bit_vs_full"] = rel_err(ref, train(*make(None, dict(kw, state_precision="full")),
+                                                range(4)))
+    return out
 
 
 def scenario_clip_sensitivity(ctx, backend: str):
