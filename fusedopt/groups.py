@@ -23,7 +23,7 @@ def name_patterns(*patterns: str) -> Predicate:
     return lambda name, param: any(c.search(name) for c in compiled)
 
 
-def _as_predicate(exclude: Exclude) -> Predicate:
+def _as_predicate(exclude: Exclude, what: str = "exclude") -> Predicate:
     if callable(exclude):
         return exclude
     if isinstance(exclude, str):
@@ -31,7 +31,7 @@ def _as_predicate(exclude: Exclude) -> Predicate:
     if isinstance(exclude, Sequence) and all(isinstance(p, str) for p in exclude):
         return name_patterns(*exclude)
     raise TypeError(
-        f"Invalid exclude: {exclude!r}; expected a callable (name, param) -> bool, a name pattern "
+        f"Invalid {what}: {exclude!r}; expected a callable (name, param) -> bool, a name pattern "
         "or a sequence of name patterns"
     )
 
@@ -43,6 +43,7 @@ def param_groups(
     exclude: Exclude = one_dimensional,
     exclude_from_weight_decay: bool = True,
     exclude_from_adaptation: bool = True,
+    full_state: Exclude | None = None,
     **group_options: Any,
 ) -> list[dict[str, Any]]:
     """Split parameters into a regular group and an excluded group.
@@ -50,27 +51,31 @@ def param_groups(
     Excluded params (chosen by ``exclude``: a predicate ``(name, param) -> bool``, name patterns,
     or the default :func:`one_dimensional`) get ``weight_decay=0`` and ``adapt=False``; set
     ``exclude_from_weight_decay`` or ``exclude_from_adaptation`` to False to apply only one of the
-    two. Params with ``requires_grad=False`` are left out. ``group_options`` (e.g. ``lr``) go into
-    both groups. Empty groups are omitted.
+    two. Params that ``full_state`` selects (the same forms as ``exclude``; e.g. ``"embed"``)
+    keep full-precision moments whatever ``state_precision`` the other groups take: they go into
+    groups of their own with ``state_precision="full"``. Params with ``requires_grad=False`` are
+    left out. ``group_options`` (e.g. ``lr``, ``state_precision``) go into every group. Empty
+    groups are omitted.
     """
     if isinstance(model_or_named_params, torch.nn.Module):
         named = model_or_named_params.named_parameters()
     else:
         named = model_or_named_params
     pred = _as_predicate(exclude)
-    regular, excluded = [], []
+    full = (lambda name, p: False) if full_state is None else _as_predicate(full_state,
+                                                                             "full_state")
+    split: dict[tuple[bool, bool], list[torch.Tensor]] = {}
     for name, p in named:
-        if not p.requires_grad:
-            continue
-        (excluded if pred(name, p) else regular).append(p)
+        if p.requires_grad:
+            split.setdefault((bool(full(name, p)), bool(pred(name, p))), []).append(p)
     groups = []
-    if regular:
-        groups.append({"params": regular, "weight_decay": weight_decay, **group_options})
-    if excluded:
-        groups.append({
-            "params": excluded,
-            "weight_decay": 0.0 if exclude_from_weight_decay else weight_decay,
-            "adapt": not exclude_from_adaptation,
-            **group_options,
-        })
+    for kept_full, excluded in sorted(split):  # regular, excluded, then their full-state twins
+        group = {"params": split[kept_full, excluded], "weight_decay": weight_decay,
+                 **group_options}
+        if excluded:
+            group["weight_decay"] = 0.0 if exclude_from_weight_decay else weight_decay
+            group["adapt"] = not exclude_from_adaptation
+        if kept_full:
+            group["state_precision"] = "full"
+        groups.append(group)
     return groups

@@ -366,6 +366,30 @@ def test_param_groups_only_one_of_the_two():
     assert g[1]["weight_decay"] == 0.1 and g[1]["adapt"] is False
 
 
+def test_param_groups_full_state_keeps_named_params_in_full_state():
+    """The params full_state names get groups of their own with state_precision="full", beside
+    the regular and excluded groups; an optimizer stores their moments in float32."""
+    m = model()
+    names = {id(p): n for n, p in m.named_parameters()}
+    groups = fusedopt.param_groups(m, weight_decay=0.1, full_state="^0\\.",
+                                   state_precision="8bit", lr=0.3)
+    got = [(sorted(names[id(p)] for p in g["params"]), g["state_precision"], g["weight_decay"],
+            g.get("adapt", True), g["lr"]) for g in groups]
+    assert got == [(["2.weight"], "8bit", 0.1, True, 0.3),
+                   (["1.bias", "1.weight", "2.bias"], "8bit", 0.0, False, 0.3),
+                   (["0.weight"], "full", 0.1, True, 0.3),
+                   (["0.bias"], "full", 0.0, False, 0.3)]
+    opt = fusedopt.FusedLAMB(groups, state_min_numel=0, backend="eager")
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    dtypes = {names[id(p)]: st["exp_avg"].dtype for p, st in opt.state.items()}
+    assert dtypes["0.weight"] == dtypes["0.bias"] == torch.float32
+    assert dtypes["2.weight"] == torch.uint8
+    with pytest.raises(TypeError, match="Invalid full_state"):
+        fusedopt.param_groups(m, weight_decay=0.1, full_state=3)
+
+
 def test_param_groups_skip_frozen_and_reject_bad_exclude():
     m = model()
     m[0].weight.requires_grad_(False)
