@@ -846,7 +846,8 @@ class FusedLAMB(_TrustRatioOptimizer):
             update applied. Chosen when a param's state is created; ``load_state_dict`` converts
             state saved in another format (with a warning).
         state_min_numel: params with fewer elements keep full state (default 4096); a param
-            can also be put in a group of its own with ``state_precision="full"``.
+            can also be put in a group of its own with ``state_precision="full"``
+            (:func:`fusedopt.param_groups`' ``full_state`` does it by name).
         maximize: step against the gradient's sign, as torch.optim's (the grads are read times
             -1: bit for bit the step on negated grads).
         foreach, fused: accepted as torch.optim accepts them; they change nothing (every
