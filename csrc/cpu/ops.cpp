@@ -365,8 +365,8 @@ FUSEDOPT_INLINE Packed<C> packed(void* data, int64_t codes_offset) {
 
 // The largest |x| of a block of n <= kBlock values and whether they are all finite (the sum of
 // x*0 is 0 then, NaN otherwise). Kept in kLanes lanes, elementwise, and the lanes folded
-// pairwise, so that both vectorize (a chain of dependent adds per block would cost a third of
-// 8-bit pass 1); max and this test give the same result in any order.
+// pairwise, so that both vectorize (a serial fold would be a chain of kLanes dependent adds per
+// block; docs/performance.md measures it); max and this test give the same result in any order.
 
 struct BlockTop {
   float top;
