@@ -320,6 +320,27 @@ def from_saved(codes: torch.Tensor, scales: torch.Tensor | None,
                 scales.reshape(-1).to(device=device, dtype=torch.float32))
 
 
+def packed_moment(saved: dict, key: str, p: torch.Tensor) -> torch.Tensor | None:
+    """The packed 8-bit moment ``key`` of ``p`` (its local shard's for a DTensor) in the saved
+    state ``saved`` of one param: from its codes and scales, or from the packed form that older
+    versions saved for the whole tensor; None where ``saved[key]`` is no 8-bit moment or is
+    already the packed moment of ``p``. Raises on codes, scales or bytes that do not fit ``p``."""
+    value = saved.get(key)
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8):
+        return None
+    if key + "_scales" in saved:
+        return from_saved(value, saved[key + "_scales"], p)
+    size = packed_numel(p.numel())
+    if value.dim() != 1 or value.numel() != size:
+        raise ValueError(f"load_state_dict: the 8-bit {key!r} is {tuple(value.shape)} bytes "
+                         f"without {key + '_scales'!r}; expected codes and scales, or {size} "
+                         "packed bytes")
+    if not hasattr(p, "to_local"):
+        return None
+    scales, codes = split(value, p.numel())
+    return from_saved(codes.view(p.shape), scales, p)
+
+
 def placed(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A local state tensor of the param's shape as a DTensor placed like ``p``."""
     return _placed_like(local, p, tuple(p.shape))

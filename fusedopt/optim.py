@@ -734,25 +734,11 @@ class _TrustRatioOptimizer(Optimizer):
         saved (codes and scales, Note [saved 8-bit state] in lowp.py), before anything changes."""
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         params = [(g, p) for g in self.param_groups for p in g["params"]]
-        packed = {}  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
-        for pid, (_, p) in zip(saved_ids, params) if len(saved_ids) == len(params) else ():
-            saved = state_dict["state"].get(pid) or {}
-            for key in self._state_keys:
-                value = saved.get(key)
-                if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8):
-                    continue
-                if key + "_scales" in saved:
-                    packed[pid, key] = lowp.from_saved(value, saved[key + "_scales"], p)
-                    continue
-                size = lowp.packed_numel(p.numel())  # packed for the whole tensor (older versions)
-                if value.dim() != 1 or value.numel() != size:
-                    raise ValueError(
-                        f"{type(self).__name__}.load_state_dict: the 8-bit {key!r} of param {pid} "
-                        f"is {tuple(value.shape)} bytes without {key + '_scales'!r}; expected "
-                        f"codes and scales, or {size} packed bytes")
-                if hasattr(p, "to_local"):
-                    whole = torch.empty(p.shape, device="meta")
-                    packed[pid, key] = lowp.from_saved(*lowp.saved_form(value, whole), p)
+        packed = {  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
+            (pid, key): lowp.packed_moment(state_dict["state"].get(pid) or {}, key, p)
+            for pid, (_, p) in (zip(saved_ids, params) if len(saved_ids) == len(params) else ())
+            for key in self._state_keys}
+        packed = {k: v for k, v in packed.items() if v is not None}
         own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
         super().load_state_dict(state_dict)
         _unshare_lrs(self.param_groups)
