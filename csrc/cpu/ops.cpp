@@ -364,38 +364,23 @@ FUSEDOPT_INLINE Packed<C> packed(void* data, int64_t codes_offset) {
 }
 
 // The largest |x| of a block of n <= kBlock values and whether they are all finite (the sum of
-// x*0 is 0 then, NaN otherwise). Kept in kLanes lanes, elementwise, and the lanes folded
-// pairwise, so that both vectorize (a serial fold would be a chain of kLanes dependent adds per
-// block; docs/performance.md measures it); max and this test give the same result in any order.
-
+// x*0 is 0 then, NaN otherwise): both results are the same in any order, so the loop is a simd
+// reduction, folded in registers.
 struct BlockTop {
   float top;
   bool finite;
 };
 
 FUSEDOPT_INLINE BlockTop block_top(const float* __restrict__ x, int64_t n) {
-  float top[kLanes] = {};
-  float check[kLanes] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const float a = std::fabs(x[k + j]);
-      top[j] = a > top[j] ? a : top[j];
-      check[j] += x[k + j] * 0.0f;
-    }
+  float top = 0.0f;
+  float check = 0.0f;
+#pragma omp simd reduction(max : top) reduction(+ : check)
+  for (int64_t k = 0; k < n; ++k) {
+    const float a = std::fabs(x[k]);
+    top = a > top ? a : top;
+    check += x[k] * 0.0f;
   }
-  for (int j = 0; k + j < n; ++j) {
-    const float a = std::fabs(x[k + j]);
-    top[j] = a > top[j] ? a : top[j];
-    check[j] += x[k + j] * 0.0f;
-  }
-  for (int width = kLanes / 2; width > 0; width /= 2) {
-    for (int j = 0; j < width; ++j) {
-      top[j] = top[j + width] > top[j] ? top[j + width] : top[j];
-      check[j] += check[j + width];
-    }
-  }
-  return {top[0], check[0] == 0.0f};
+  return {top, check == 0.0f};
 }
 
 // The weights of a block as float32: w itself when it is float32, else converted into buf (a
