@@ -93,7 +93,8 @@ class TensorLists:
     # what a cross-rank reducer reads the sharding of (fusedopt.distributed)
     sources: list[torch.Tensor] | None = None
     # int64 CPU tensor: each param's key in the random bits of stochastic rounding (its index in
-    # its param group; docs/math.md, "Low-precision state"); None: the index in these lists
+    # its param group, and in the high 32 bits the index in the whole tensor of a shard's first
+    # element; docs/math.md, "Random bits"); None: the index in these lists
     keys: torch.Tensor | None = None
 
 

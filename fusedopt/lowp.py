@@ -73,11 +73,13 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
-    """``bits(e)`` for the elements ``e < n`` of a tensor whose step count (after the increment)
-    is ``step`` and whose key is ``key``: int64 values in [0, 2^32)."""
+    """``bits(e)`` for the ``n`` elements stepped of a tensor whose step count (after the
+    increment) is ``step`` and whose key is ``key`` (docs/math.md, "Random bits": its low 32 bits
+    key the tensor, its high 32 bits are the index of the first element stepped): int64 values
+    in [0, 2^32)."""
     t = step.reshape(()).to(torch.int64) & _MASK
     base = _mix(_mix(t ^ _SEED) ^ (key & _MASK))
-    e = torch.arange(n, dtype=torch.int64, device=step.device) & _MASK
+    e = (torch.arange(n, dtype=torch.int64, device=step.device) + (key >> 32)) & _MASK
     return _mix(base ^ e)
 
 
@@ -260,6 +262,29 @@ def rows_hold_blocks(p: torch.Tensor) -> bool:
     blocks (Note [sharded 8-bit state])."""
     return (len(scales_shape(p.shape)) == 2 and p.to_local().is_contiguous()
             and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements))
+
+
+def random_key(index: int, p: torch.Tensor, local: torch.Tensor) -> int:
+    """The key of the random bits of the param ``p`` (``local``: its local shard) whose index in
+    its group is ``index`` (docs/math.md, "Random bits"): the index in its low 32 bits and, in its
+    high 32 bits, the position in the whole tensor of the local shard's first element (mod 2^32)
+    when ``p`` is a DTensor whose local shard is a run of the tensor (placements Shard(0) or
+    Replicate), so that each element draws the bits it draws in one process; 0 otherwise. As a
+    signed int64."""
+    first = 0
+    coord = p.device_mesh.get_coordinate() if hasattr(p, "to_local") and p.dim() > 0 else None
+    if (coord is not None and local.is_contiguous()
+            and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements)):
+        rows = p.shape[0]  # of the run so far, cut mesh dimension by mesh dimension
+        for d, pl in enumerate(p.placements):
+            if pl.is_shard(0):  # as torch.chunk cuts (Shard's rule), in plain integers
+                chunk = -(-rows // p.device_mesh.size(d))
+                start = min(coord[d] * chunk, rows)
+                first += start
+                rows = min(chunk, rows - start)
+        first *= p.numel() // p.shape[0] if p.shape[0] else 0
+    key = (first & _MASK) << 32 | (index & _MASK)
+    return key - (1 << 64) if key >= 1 << 63 else key
 
 
 def _placed_like(local: torch.Tensor, p: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -384,9 +384,10 @@ class _TrustRatioOptimizer(Optimizer):
         """Append the group's params that have grads, and their tensors, to the lists (torch's
         ``_init_group`` shape: torch.compile runs it eagerly at trace time, with the lists as its
         outputs); create missing state. Params are the local shards of DTensors (``sources`` then
-        holds the DTensors); masters hold None for params without; ``keys`` gets the index of each
-        param in its group when some params have no grad and the state may be stochastically
-        rounded (docs/math.md, "Low-precision state"). Returns whether the params are
+        holds the DTensors); masters hold None for params without; ``keys`` gets the key of the
+        random bits of each param (its index in the group, and a shard's first element:
+        ``lowp.random_key``) when some params have no grad or are sharded and the state may be
+        stochastically rounded (docs/math.md, "Random bits"). Returns whether the params are
         sharded; with ``bases`` (a list: a traced step) the state as views of the bases it
         appends there (Note [traced flat state]), None otherwise; and the error that refuses the
         step as (type name, message), which the caller raises (under torch.compile dynamo would
@@ -417,13 +418,15 @@ class _TrustRatioOptimizer(Optimizer):
             if not ps:
                 return False, None
             gs = [g for g in all_grads if g is not None]
-            if group["state_precision"] != "full":
-                keys.extend(i for i, g in enumerate(all_grads) if g is not None)
         else:
             ps, gs = all_ps, all_grads
         sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(g) for g in gs] if sharded else gs
+        if group["state_precision"] != "full" and (sharded or ps is not all_ps):
+            idx = (range(len(ps)) if ps is all_ps
+                   else [i for i, g in enumerate(all_grads) if g is not None])
+            keys.extend(map(lowp.random_key, idx, ps, lps) if sharded else idx)
         state = self.state
         states = list(map(state.get, ps))
         fresh = [] if all(states) else [p for p, st in zip(ps, states) if not st]

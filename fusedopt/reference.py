@@ -58,7 +58,8 @@ def _mix(x: int) -> int:
 
 def _random_bits(step: int, key: int, n: int) -> list[int]:
     base = _mix(_mix(0x9E3779B9 ^ (step & 0xFFFFFFFF)) ^ (key & 0xFFFFFFFF))
-    return [_mix(base ^ (e & 0xFFFFFFFF)) for e in range(n)]
+    first = key >> 32  # docs/math.md, "Random bits": the index of the first element stepped
+    return [_mix(base ^ ((first + e) & 0xFFFFFFFF)) for e in range(n)]
 
 
 def _f32(x: float) -> float:

@@ -236,7 +236,8 @@ def run_lowp(emu, case: LowpCase):
 # sizes around the 8-bit blocks (256) and the chunks (65536); a 0-size tensor; a 2-D tensor
 SHAPES = [(1000,), (257,), (0,), (33, 40), (CHUNK + 300,), (5,), (256,), (3000,)]
 FORMATS = ["8bit", "bf16", "8bit", "8bit", "8bit", "bf16", "full", "8bit"]
-KEYS = [7, 0, 3, 11, 2, 40, 9, 1]
+# some with a high half: the first element of a run of a tensor (docs/math.md, "Random bits")
+KEYS = [7 | 5 << 32, 0, 3 | -1 << 32, 11, 2 | 1234567 << 32, 40, 9, 1]
 
 
 def _formats(precision: str) -> list:

@@ -137,6 +137,55 @@ def test_random_bits_are_the_documented_hash():
         base = mix(mix(0x9E3779B9 ^ t) ^ key)
         got = lowp.random_bits(torch.tensor(float(t)), key, 300)
         assert got.tolist() == [mix(base ^ e) for e in range(300)]
+    # a key's high half is the index of the first element stepped (a run of a tensor), mod 2^32
+    for t, low, first in ((3, 5, 1000), (9, 2**32 - 1, 2**32 - 100)):
+        base = mix(mix(0x9E3779B9 ^ t) ^ low)
+        key = (first << 32 | low) - (1 << 64 if first >= 2**31 else 0)  # a signed int64
+        got = lowp.random_bits(torch.tensor(float(t)), key, 300)
+        assert got.tolist() == [mix(base ^ ((first + e) % 2**32)) for e in range(300)]
+
+
+def _moments_of_runs(backend, precision, cuts, keys, steps=3):
+    """The moments of a [12, 512] tensor stepped by LAMB as the runs of rows between ``cuts``
+    (each a tensor of its own, with its key), as saved (8-bit: codes and scales), joined."""
+    from fusedopt import functional
+    from fusedopt._hyper import LAMB_DEFAULTS, lamb_hyper
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(12, 512, generator=gen)
+    edges = [0, *cuts, 12]
+    params = [w[a:b].clone() for a, b in zip(edges, edges[1:])]
+    m = [lowp.zeros(p, precision) for p in params]
+    v = [lowp.zeros(p, precision) for p in params]
+    counts = [torch.zeros(()) for _ in params]
+    hyper = lamb_hyper({**LAMB_DEFAULTS, "lr": 1e-2})
+    for _ in range(steps):
+        g = torch.randn(12, 512, generator=gen)
+        grads = [g[a:b].clone() for a, b in zip(edges, edges[1:])]
+        group = functional.TensorGroup(params, grads, counts, exp_avgs=m, exp_avg_sqs=v,
+                                       keys=torch.tensor(keys), hyper=hyper, backend=backend)
+        functional.trust_ratio_step("lamb", [group])
+    out = []
+    for xs in (m, v):
+        parts = [lowp.saved_form(x, p) if precision == "8bit" else (x,)
+                 for x, p in zip(xs, params)]
+        out += [torch.cat(col) for col in zip(*parts)]
+    return out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runs_of_a_tensor_round_as_the_whole_tensor(backend, precision):
+    """A tensor stepped as runs of its rows (as Shard(0) cuts it; rows of whole 8-bit blocks),
+    each with its first element's index in its key's high half, stores the moments that the whole
+    tensor stores: the random bits of v follow the element's place in the tensor. Without the
+    high half, v differs."""
+    whole = _moments_of_runs(backend, precision, [], [3])
+    runs = _moments_of_runs(backend, precision, [5, 8], [3, 3 | 5 * 512 << 32, 3 | 8 * 512 << 32])
+    assert all(torch.equal(a, b) for a, b in zip(whole, runs))
+    local = _moments_of_runs(backend, precision, [5, 8], [3, 3, 3])
+    v = len(whole) // 2  # the first tensor of v (its codes for 8-bit)
+    assert torch.equal(whole[0], local[0])  # m: rounded to nearest
+    assert not torch.equal(whole[v], local[v])
 
 
 # ---------------------------------------------------------------------- backends agree

@@ -154,8 +154,9 @@ def test_lamb_matches_cpp(fmt):
 
 def test_lamb_options_and_keys_match_cpp():
     """Decoupled weight decay, bounds, no bias correction, and keys that are not the indices
-    (the random bits of v's stochastic rounding follow the key)."""
-    keys = torch.tensor([5, 0, 11, 2, 3, 9, 1, 4])
+    (the random bits of v's stochastic rounding follow the key), some with a high half (the
+    first element of a run of a tensor, docs/math.md "Random bits"; -1: 2^32 - 1)."""
+    keys = torch.tensor([5 | 1000 << 32, 0, 11, 2 | -1 << 32, 3, 9 | 256 << 32, 1, 4])
     ref, _ = _compare("lamb", FORMATS["mixed"],
                       dict(decoupled_weight_decay=True, weight_decay=0.1, bias_correction=False,
                            trust_ratio_bounds=(0.0, 10.0)), keys=keys, steps=2)

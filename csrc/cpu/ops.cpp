@@ -344,8 +344,8 @@ FUSEDOPT_INLINE void with_lars_variant(const LarsCoef<T>& c, Body&& body) {
 // ---------------------------------------------------------------- low-precision state chunks
 // Note [state formats] in math.h. The chunk offset o is a multiple of kChunk, itself a multiple
 // of kQBlock, so a chunk holds whole 8-bit blocks (the last one of a tensor may be short), and
-// kBlock == kQBlock: the blocks of the loops below are the 8-bit blocks. Element e of a tensor
-// draws sr_bits(base, e).
+// kBlock == kQBlock: the blocks of the loops below are the 8-bit blocks. Element k of a chunk
+// draws sr_bits(base, e0 + k), e0 its first element's index in the whole tensor (SrKey).
 static_assert(kChunk % kQBlock == 0 && kBlock == kQBlock, "8-bit blocks must be loop blocks");
 
 // A packed 8-bit moment of one tensor: the scales of its blocks and its codes (Note [state
@@ -791,12 +791,18 @@ at::Tensor run_pass1(const CheckedLists& d, const std::vector<const void*>& grad
   return sums;
 }
 
-// The per-tensor bases of the random bits of stochastic rounding (Note [state formats]): the key
-// of tensor i is keys[i], or i without keys.
-std::vector<unsigned int> sr_bases(const CheckedLists& d, const std::vector<double>& t,
-                                   const std::optional<at::Tensor>& keys) {
-  std::vector<unsigned int> base(d.size(), 0);
-  if (!d.low_precision) return base;
+// The random bits of stochastic rounding of one tensor (Note [state formats]): element e of a
+// chunk at offset o draws sr_bits(base, first + o + e).
+struct SrKey {
+  unsigned int base;
+  unsigned int first;
+};
+
+// The SrKey of each tensor: its key is keys[i], or i without keys.
+std::vector<SrKey> sr_keys(const CheckedLists& d, const std::vector<double>& t,
+                           const std::optional<at::Tensor>& keys) {
+  std::vector<SrKey> out(d.size(), SrKey{0, 0});
+  if (!d.low_precision) return out;
   const int64_t* k = nullptr;
   at::Tensor kt;
   if (keys.has_value()) {
@@ -805,8 +811,11 @@ std::vector<unsigned int> sr_bases(const CheckedLists& d, const std::vector<doub
                 "), got ", kt.numel());
     k = kt.const_data_ptr<int64_t>();
   }
-  for (int64_t i = 0; i < d.size(); ++i) base[i] = sr_base(t[i], k != nullptr ? k[i] : i);
-  return base;
+  for (int64_t i = 0; i < d.size(); ++i) {
+    const int64_t key = k != nullptr ? k[i] : i;
+    out[i] = {sr_base(t[i], key), sr_first(key)};
+  }
+  return out;
 }
 
 at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>& grads,
@@ -820,19 +829,19 @@ at::Tensor run_lamb_pass1(const CheckedLists& d, const std::vector<const void*>&
     void* const* mp = d.state_a.data();
     void* const* vp = d.state_b.data();
     return [coef = lamb_coefs<T>(h, t), gm = grad_multiplier<T>(grad_mult), mp, vp,
-            base = sr_bases(d, t, keys), fmt = d.formats.data(), off = d.codes_offset.data()](
+            sr = sr_keys(d, t, keys), fmt = d.formats.data(), off = d.codes_offset.data()](
                int64_t i, const W* w, const G* g, int64_t o, int64_t len, double* out,
                const Chunk*) FUSEDOPT_INLINE_LAMBDA {
       if constexpr (std::is_same_v<T, float>) {
         if (fmt[i] == kBf16State) {
           return lamb_pass1_chunk_bf16<W, G>(w, g, static_cast<uint16_t*>(mp[i]) + o,
                                              static_cast<uint16_t*>(vp[i]) + o, len, coef[i], gm,
-                                             out, base[i], o);
+                                             out, sr[i].base, sr[i].first + o);
         }
         if (fmt[i] == k8bitState) {
           return lamb_pass1_chunk_q8<W, G>(w, g, packed<int8_t>(mp[i], off[i]).at(o),
                                            packed<uint8_t>(vp[i], off[i]).at(o), len, coef[i], gm,
-                                           out, base[i], o);
+                                           out, sr[i].base, sr[i].first + o);
         }
       }
       lamb_pass1_chunk<W, G, T>(w, g, static_cast<T*>(mp[i]) + o, static_cast<T*>(vp[i]) + o, len,

@@ -88,7 +88,8 @@ bool any_low_precision(const std::vector<unsigned char>& formats) {
 
 // The keys of the random bits of LAMB's stochastic rounding (one per weight; None: the index),
 // read on the host: a CPU tensor, as the optimizers pass them (a device tensor is copied, which
-// synchronizes). Only read when some state is low-precision.
+// synchronizes). Only read when some state is low-precision. The state row holds 24 bits of a
+// key's low half (Note [state rows] in lowp.cuh).
 std::vector<int64_t> read_keys(const std::optional<at::Tensor>& keys, int64_t n) {
   std::vector<int64_t> out(static_cast<size_t>(n));
   if (!keys.has_value()) {
@@ -99,7 +100,12 @@ std::vector<int64_t> read_keys(const std::optional<at::Tensor>& keys, int64_t n)
   TORCH_CHECK(k.numel() == n, kWho, "keys must hold one key per weight (", n, "), got ",
               k.numel());
   const int64_t* p = k.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = p[i];
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK((static_cast<uint64_t>(p[i]) & 0xffffffffu) < (uint64_t{1} << 24), kWho,
+                "the key of weight ", i, " is ", p[i] & 0xffffffff,
+                "; the CUDA backend takes keys below 2^24 (the index of a param in its group)");
+    out[static_cast<size_t>(i)] = p[i];
+  }
   return out;
 }
 

@@ -36,6 +36,7 @@ struct LambPass1Of {
     LambCoef<T> c;
     T gm;
     unsigned int base;     // sr_base of the new step count and the tensor's key (kLowp)
+    unsigned int first;    // sr_first of the tensor's key (kLowp)
     unsigned char format;  // StateFormat of the tensor's moments
   };
   LambHyper h;
@@ -59,11 +60,14 @@ struct LambPass1Of {
         // pass 1 uses the new t; the reduction stores it after every chunk (Note [step counts in
         // reduce_kernel] in multi_tensor_apply.cuh)
         const float step = *static_cast<const float*>(t.ptrs[kStep][slot]) + 1.0f;
-        Scalars s{lamb_coef<T>(h, step), grad_mult != nullptr ? *grad_mult : T(1), 0u,
+        Scalars s{lamb_coef<T>(h, step), grad_mult != nullptr ? *grad_mult : T(1), 0u, 0u,
                   kFullState};
         if constexpr (kLowp) {
           s.format = slot_format(t, kState, slot);
-          if (s.format != kFullState) s.base = sr_base(step, slot_key(t, kState, slot));
+          if (s.format != kFullState) {
+            s.base = sr_base(step, slot_key(t, kState, slot));
+            s.first = slot_first(t, kState, slot);
+          }
         }
         return s;
       });
@@ -131,7 +135,7 @@ struct LambPass1Of {
         float vk = bf16_value(vr[k]);
         lamb_moments<float>(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
         mr[k] = bf16_rne(mk);
-        vr[k] = bf16_stochastic(vk, sr_bits(sc.base, begin + off + k));
+        vr[k] = bf16_stochastic(vk, sr_bits(sc.base, sc.first + begin + off + k));
         const float u = lamb_direction<float>(wr[k], bf16_value(mr[k]), bf16_value(vr[k]), sc.c);
         if (k < n) {
           acc[0] += wr[k] * wr[k];
@@ -197,8 +201,8 @@ struct LambPass1Of {
       for (int k = 0; k < L; ++k) {
         // a block that is not finite stores codes 0 (and reads as NaN through its scale)
         mc[k] = finite[0] ? q8_signed_code(mr[k], qm) : static_cast<signed char>(0);
-        vc[k] = finite[1] ? q8_root_code(sqrt_rn(vr[k]), qv, sr_bits(sc.base, begin + off + k))
-                          : static_cast<unsigned char>(0);
+        const unsigned int bits = sr_bits(sc.base, sc.first + begin + off + k);
+        vc[k] = finite[1] ? q8_root_code(sqrt_rn(vr[k]), qv, bits) : static_cast<unsigned char>(0);
         const float u = lamb_direction_s<float>(wr[k], q8_signed_value(mc[k], fm),
                                             q8_root_value(vc[k], fv), sc.c);
         if (k < n) {

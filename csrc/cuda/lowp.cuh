@@ -17,10 +17,12 @@ namespace cuda {
 // ------------------------------------------------------------------------------ the tables
 // Note [state rows]: a launch whose bucket holds some low-precision state has one more table row
 // than the full-state launch, after the others. Its entry for each tensor is not a pointer but
-// the tensor's StateFormat (bits 0-7) and the key of its random bits (bits 32-63, LAMB pass 1),
-// read by thread 0 with the other per-tensor scalars (Note [per-tensor scalars]). A bucket of
-// full state launches the full-state kernels, which have no such row and no branch.
-static_assert(sizeof(void*) == 8, "the state row packs a format and a 32-bit key in a pointer");
+// the tensor's StateFormat (bits 0-7) and the two halves of the key of its random bits (LAMB
+// pass 1; sr_base and sr_first in math.h): the low half in bits 8-31 (below 2^24, checked when
+// the keys are read) and sr_first in bits 32-63, read by thread 0 with the other per-tensor
+// scalars (Note [per-tensor scalars]). A bucket of full state launches the full-state kernels,
+// which have no such row and no branch.
+static_assert(sizeof(void*) == 8, "the state row packs a format and a key in a pointer");
 
 inline bool has_low_precision(const BucketPtrs& b) {
   if (b.formats == nullptr) return false;
@@ -34,10 +36,10 @@ inline bool has_low_precision(const BucketPtrs& b) {
 inline std::vector<void*> state_row(const BucketPtrs& b) {
   std::vector<void*> row(static_cast<size_t>(b.n));
   for (int64_t i = 0; i < b.n; ++i) {
-    const uint32_t key = static_cast<uint32_t>(b.keys != nullptr ? b.keys[i] : i);
+    const uint64_t key = static_cast<uint64_t>(b.keys != nullptr ? b.keys[i] : i);
     const uint64_t format = b.formats != nullptr ? b.formats[i] : uint64_t{kFullState};
-    row[static_cast<size_t>(i)] =
-        reinterpret_cast<void*>(static_cast<uintptr_t>(format | static_cast<uint64_t>(key) << 32));
+    row[static_cast<size_t>(i)] = reinterpret_cast<void*>(static_cast<uintptr_t>(
+        format | (key & 0xffffffu) << 8 | uint64_t{sr_first(static_cast<long long>(key))} << 32));
   }
   return row;
 }
@@ -50,6 +52,11 @@ __device__ __forceinline__ unsigned char slot_format(const TensorTable<kRows>& t
 
 template <int kRows>
 __device__ __forceinline__ unsigned int slot_key(const TensorTable<kRows>& t, int row, int slot) {
+  return static_cast<unsigned int>(reinterpret_cast<uintptr_t>(t.ptrs[row][slot]) >> 8) & 0xffffffu;
+}
+
+template <int kRows>
+__device__ __forceinline__ unsigned int slot_first(const TensorTable<kRows>& t, int row, int slot) {
   return static_cast<unsigned int>(reinterpret_cast<uintptr_t>(t.ptrs[row][slot]) >> 32);
 }
 

@@ -290,10 +290,18 @@ FUSEDOPT_HD unsigned int mix32(unsigned int x) {
   return x;
 }
 
-// The per-tensor base of the random bits of step t (after the increment) for the tensor's key.
+// The per-tensor base of the random bits of step t (after the increment) for the tensor's key:
+// its low 32 bits. Its high 32 bits are sr_first(key), the index (mod 2^32) in the whole tensor
+// of the first element stepped: 0 for a whole tensor, a shard's first element for a shard that is
+// a run of its tensor (docs/math.md, "Random bits"), so that element e of the run draws
+// sr_bits(base, sr_first(key) + e) whatever the sharding.
 FUSEDOPT_HD unsigned int sr_base(double t, long long key) {
   const unsigned int ti = static_cast<unsigned int>(static_cast<long long>(t));
   return mix32(mix32(0x9e3779b9u ^ ti) ^ static_cast<unsigned int>(key));
+}
+
+FUSEDOPT_HD unsigned int sr_first(long long key) {
+  return static_cast<unsigned int>(static_cast<unsigned long long>(key) >> 32);
 }
 
 // bits(e) of the element e of the tensor.

@@ -149,7 +149,9 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
     r2 = r2[:, None, None]
     mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
     vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
-    base = sr_base(t, tl.load(rec + KEY))[:, None, None]
+    key = tl.load(rec + KEY)
+    base = sr_base(t, key)[:, None, None]
+    first = (key >> 32)[:, None, None]  # docs/math.md, "Random bits"
     full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
     acc_w = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
     acc_u = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
@@ -163,8 +165,8 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
             acc_u += su
         if any_half:
             e = start3 + o
-            sw, su = _pass1_tile_bf16(w3 + o, g3 + o, mh + e, vh + e, inside & half, e, base, gm,
-                                      b1, b2, b3, omb2, r1, r2, eps, lam)
+            sw, su = _pass1_tile_bf16(w3 + o, g3 + o, mh + e, vh + e, inside & half, first + e,
+                                      base, gm, b1, b2, b3, omb2, r1, r2, eps, lam)
             acc_w += sw
             acc_u += su
         if any_q8:
@@ -172,7 +174,8 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
             blk = (start3 + off) // QBLOCK + nb
             bmask = ((off + nb * QBLOCK) < n3) & q8
             sw, su = _pass1_tile_q8(w3 + o, g3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask,
-                                    inside & q8, e, base, gm, b1, b2, b3, omb2, r1, r2, eps, lam)
+                                    inside & q8, first + e, base, gm, b1, b2, b3, omb2, r1, r2,
+                                    eps, lam)
             acc_w += sw
             acc_u += su
     return (tl.sum(tl.reshape(acc_w, [ROWS, BLOCK]), 1),

@@ -66,7 +66,8 @@ Note [state formats in the tables]: docs/math.md's low-precision state is per te
 state tensor's dtype: bfloat16 is bf16, uint8 the packed 8-bit format), so one launch may hold
 tensors of every format. Each record carries ``FORMAT`` (0 full, 1 bf16, 2 8-bit, from the first
 state list) and ``KEY``, the tensor's key in the random bits of stochastic rounding (the bucket's
-``keys``, or its index in the bucket, as the cpp backend), and the kernels branch on them per
+``keys``, or its index in the bucket, as the cpp backend; its high 32 bits are the index of the
+first element stepped, docs/math.md "Random bits"), and the kernels branch on them per
 program: a program whose rows are all full-state runs the code it ran before formats existed,
 and one with a low-precision row runs each format present among its rows with a mask per row
 (on the GPU a program has one row, so one format). No specialization is added. An 8-bit tensor's
