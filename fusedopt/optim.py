@@ -737,10 +737,15 @@ class _TrustRatioOptimizer(Optimizer):
         saved (codes and scales, Note [saved 8-bit state] in lowp.py), before anything changes."""
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         params = [(g, p) for g in self.param_groups for p in g["params"]]
-        packed = {  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
-            (pid, key): lowp.packed_moment(state_dict["state"].get(pid) or {}, key, p)
-            for pid, (_, p) in (zip(saved_ids, params) if len(saved_ids) == len(params) else ())
-            for key in self._state_keys}
+        packed = {}  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
+        for pid, (_, p) in zip(saved_ids, params) if len(saved_ids) == len(params) else ():
+            for key in self._state_keys:
+                saved = state_dict["state"].get(pid) or {}
+                try:
+                    packed[pid, key] = lowp.packed_moment(saved, key, p)
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"{type(self).__name__}: param {pid} of the state dict: "
+                                  f"{e}") from None
         packed = {k: v for k, v in packed.items() if v is not None}
         own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
         super().load_state_dict(state_dict)
