@@ -382,12 +382,14 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
 # ------------------------------------------------------------------------------ DeepSpeed ZeRO
 @dataclass(eq=False)
 class _Partition:
-    """Where the pieces of a flat partition lie (sorted by start), and which tensor of its param
-    group (numbered as DeepSpeed lists them, the same on every rank) each piece belongs to."""
+    """Where the pieces of a flat partition lie (sorted by start), which tensor of its param
+    group (numbered as DeepSpeed lists them, the same on every rank) each piece belongs to, and
+    where in that tensor it begins."""
 
     starts: list[int]
     numels: list[int]
     tensor_of: dict[int, int]  # start -> tensor index
+    firsts: list[int]  # the index in its tensor of each piece's first element
     tensors: int  # tensors in the param group, over all ranks
     steps: torch.Tensor  # one float32 step count per piece (Note [flat partitions], optim.py)
     step: torch.Tensor | None = None
@@ -489,7 +491,8 @@ def enable_deepspeed_zero(engine) -> None:
         if len(group["params"]) != 1:
             raise TypeError(f"enable_deepspeed_zero: param group {gi} holds "
                             f"{len(group['params'])} params, not one flat partition")
-        pieces = sorted((m.get_hp_fragment_address().start, m.get_hp_fragment_address().numel, t)
+        pieces = sorted((m.get_hp_fragment_address().start, m.get_hp_fragment_address().numel, t,
+                         m.lp_fragment_address.start)
                         for t, m in enumerate(getattr(p, "_hp_mapping", None) for p in lps)
                         if m is not None)
         flats.append((gi, group["params"][0], pieces, len(lps)))
@@ -516,7 +519,7 @@ def _stage3_layout(wrapper) -> tuple[list, list]:
             size = p.partition_numel()
             valid = min(size, p.ds_numel - rank * size)
             if valid > 0:
-                pieces.append((at, valid, t))
+                pieces.append((at, valid, t, rank * size))
             at += size
         flats.append((wrapper.sub_group_to_group_id[sg], flat, pieces, len(params)))
     return flats, wrapper.sub_group_process_groups
@@ -524,7 +527,8 @@ def _stage3_layout(wrapper) -> tuple[list, list]:
 
 def _register(inner, flats: list, dp_groups: list) -> None:
     """Checks the layout of every flat partition ``(param group index, flat buffer, pieces as
-    (start, numel, tensor index), tensors)`` and makes ``inner`` step them piece by piece."""
+    (start, numel, tensor index, first element in the tensor), tensors)`` and makes ``inner``
+    step them piece by piece."""
     if len({id(g) for g in dp_groups}) != 1:
         raise RuntimeError("enable_deepspeed_zero: param groups on different data-parallel groups "
                            "(MoE expert groups) are not supported")
@@ -532,7 +536,7 @@ def _register(inner, flats: list, dp_groups: list) -> None:
     for gi, flat, pieces, tensors in flats:
         inner._named(gi, check_partition_options, inner.param_groups[gi])
         end = 0
-        for start, numel, _ in pieces:
+        for start, numel, *_ in pieces:
             if start < end or numel <= 0:
                 raise RuntimeError(f"enable_deepspeed_zero: param group {gi}: pieces overlap "
                                    f"at element {start} of the flat partition")
@@ -541,8 +545,9 @@ def _register(inner, flats: list, dp_groups: list) -> None:
             raise RuntimeError(f"enable_deepspeed_zero: param group {gi}: the pieces do not fit "
                                f"the flat partition of shape {tuple(flat.shape)}")
         partitions[id(flat)] = _Partition(
-            starts=[s for s, _, _ in pieces], numels=[n for _, n, _ in pieces],
-            tensor_of={s: t for s, _, t in pieces}, tensors=tensors,
+            starts=[s for s, *_ in pieces], numels=[n for _, n, *_ in pieces],
+            tensor_of={s: t for s, _, t, _ in pieces}, firsts=[f for *_, f in pieces],
+            tensors=tensors,
             steps=torch.zeros(len(pieces), dtype=torch.float32, device=flat.device))
     group = dp_groups[0]
     # every rank must take part in each step call's all-reduce: a rank without a piece of some

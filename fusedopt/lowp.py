@@ -283,6 +283,12 @@ def random_key(index: int, p: torch.Tensor, local: torch.Tensor) -> int:
                 first += start
                 rows = min(chunk, rows - start)
         first *= p.numel() // p.shape[0] if p.shape[0] else 0
+    return key_of(index, first)
+
+
+def key_of(index: int, first: int) -> int:
+    """The key of the random bits of elements counted from ``first`` in the tensor whose index in
+    its group is ``index`` (docs/math.md, "Random bits"), as a signed int64."""
     key = (first & _MASK) << 32 | (index & _MASK)
     return key - (1 << 64) if key >= 1 << 63 else key
 

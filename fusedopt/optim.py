@@ -67,9 +67,9 @@ def check_partition_options(group: dict[str, Any]) -> None:
         raise ValueError("max_grad_norm cannot clip flat partitions by the global norm "
                          "(DeepSpeed steps each param group on its own); set DeepSpeed's "
                          "\"gradient_clipping\" instead and max_grad_norm=None")
-    if group["state_precision"] != "full":
-        raise ValueError(f"state_precision={group['state_precision']!r} is not supported for "
-                         "flat partitions (its blocks would cross the pieces); use 'full'")
+    if group["state_precision"] == "8bit":
+        raise ValueError("state_precision='8bit' is not supported for flat partitions (its blocks "
+                         "would cross the pieces); use 'bf16' or 'full'")
 
 
 def _guard_on(tensors) -> None:
@@ -423,10 +423,11 @@ class _TrustRatioOptimizer(Optimizer):
         sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(g) for g in gs] if sharded else gs
+        rows = None  # the keys of the random bits, where they are not the rows' indices
         if group["state_precision"] != "full" and (sharded or ps is not all_ps):
-            idx = (range(len(ps)) if ps is all_ps
-                   else [i for i, g in enumerate(all_grads) if g is not None])
-            keys.extend(map(lowp.random_key, idx, ps, lps) if sharded else idx)
+            rows = (range(len(ps)) if ps is all_ps
+                    else [i for i, g in enumerate(all_grads) if g is not None])
+            rows = list(map(lowp.random_key, rows, ps, lps)) if sharded else rows
         state = self.state
         states = list(map(state.get, ps))
         fresh = [] if all(states) else [p for p, st in zip(ps, states) if not st]
@@ -444,20 +445,20 @@ class _TrustRatioOptimizer(Optimizer):
         master = bool(low) and any(low)
         if master:
             low = [True] * len(lps) if all(low) else [p.dtype in _LOW_PRECISION for p in lps]
-        keys = ("step", *self._state_keys)
+        names = ("step", *self._state_keys)
         try:
-            columns = [[st[k] for st in states] for k in keys]
+            columns = [[st[k] for st in states] for k in names]
             if master:
                 columns.append([st["master_param"] if lo else None for st, lo in zip(states, low)])
         except KeyError:
             i, key = next((i, k) for i, st in enumerate(states)
-                          for k in (*keys, "master_param") if k not in st
+                          for k in (*names, "master_param") if k not in st
                           and (k != "master_param" or low[i]))
             j = next(k for k, q in enumerate(all_ps) if q is ps[i])
             raise RuntimeError(f"{type(self).__name__}: param {j} of param group {gi} has no "
                                f"state tensor {key!r} (a state dict of another optimizer, or "
                                "master weights switched on after steps?)") from None
-        if not master and max(map(len, states)) > len(keys):
+        if not master and max(map(len, states)) > len(names):
             # stale masters (a state with more keys than this kind's): dropped once the step
             # has succeeded (Note [refused steps])
             stale = [p for p, st in zip(ps, states) if "master_param" in st]
@@ -465,7 +466,7 @@ class _TrustRatioOptimizer(Optimizer):
         if sharded:
             columns = [[x if x is None else _local(x) for x in xs] for xs in columns]
         elif self._partitions and not self._partitions.keys().isdisjoint(map(id, ps)):
-            ps, lps, lgs, columns = self._fragments(gi, group, ps, lps, lgs, columns)
+            ps, lps, lgs, columns, rows = self._fragments(gi, group, ps, lps, lgs, columns, rows)
             sharded = True  # rows that stand for pieces of their sources
         params.extend(lps)
         grads.extend(lgs)
@@ -477,6 +478,8 @@ class _TrustRatioOptimizer(Optimizer):
             masters.extend(columns[-1])
         if sharded:
             sources.extend(ps)
+        if rows is not None:
+            keys.extend(rows)
         if bases is None or sharded:
             return sharded, None
         if not fresh:
@@ -489,7 +492,7 @@ class _TrustRatioOptimizer(Optimizer):
              columns[-1] if master else [None] * len(ps)], bases)
 
     def _fragments(self, gi: int, group: dict[str, Any], ps: list, lps: list, lgs: list,
-                   columns: list[list]) -> tuple[list, list, list, list[list]]:
+                   columns: list[list], keys) -> tuple[list, list, list, list[list], list]:
         """Note [flat partitions]: a param registered by :meth:`_set_partitions` (a flat buffer
         of pieces of several tensors, as DeepSpeed ZeRO hands its optimizer) enters the step as
         one row per piece: views of the param, its grad and its state over the piece, with the
@@ -497,21 +500,27 @@ class _TrustRatioOptimizer(Optimizer):
         into its tensor's. Elements outside every piece (padding) are not stepped. The pieces of
         one param share its step count: each row gets an element of a buffer of its own (a step
         increments every row's count), the param's ``state["step"]`` being the first one, which
-        the others copy before each step (a checkpoint loader may set it in place)."""
+        the others copy before each step (a checkpoint loader may set it in place). Each piece's
+        key of the random bits (bf16 state) is that of its elements in its tensor: the tensor's
+        index and the piece's first element (docs/math.md, "Random bits"); ``keys`` are the keys
+        of the rows given (None: their indices), the keys returned those of the rows returned."""
         name = type(self).__name__
         self._named(gi, check_partition_options, group)
         out: list[list] = [[] for _ in range(3 + len(columns))]
+        row_keys = []
         for i, p in enumerate(ps):
             row = (p, lps[i], lgs[i], *(xs[i] for xs in columns))
             part = self._partitions.get(id(p))
             if part is None:
                 for xs, x in zip(out, row):
                     xs.append(x)
+                row_keys.append(i if keys is None else keys[i])
                 continue
-            if len(columns) > len(self._state_keys) + 1 or columns[1][i].dtype != p.dtype:
+            if (len(columns) > len(self._state_keys) + 1
+                    or columns[1][i].dtype not in (p.dtype, torch.bfloat16)):
                 raise ValueError(f"{name}: param group {gi}: a flat partition takes state of its "
-                                 "own dtype and no master weights (DeepSpeed keeps the float32 "
-                                 f"masters); its params are {p.dtype}")
+                                 "own dtype or bf16 state, and no master weights (DeepSpeed keeps "
+                                 f"the float32 masters); its params are {p.dtype}")
             if lgs[i].shape != p.shape or not lgs[i].is_contiguous():
                 raise RuntimeError(f"{name}: param group {gi}: the grad of a flat partition must "
                                    f"be contiguous of shape {tuple(p.shape)}")
@@ -532,8 +541,9 @@ class _TrustRatioOptimizer(Optimizer):
                     xs.extend(_alias(part.steps, k, ()) for k in range(len(part.starts)))
                 else:
                     xs.extend(t.narrow(0, s, n) for s, n in zip(part.starts, part.numels))
+            row_keys.extend(map(lowp.key_of, map(part.tensor_of.get, part.starts), part.firsts))
         ps, lps, lgs, *columns = out
-        return ps, lps, lgs, columns
+        return ps, lps, lgs, columns, row_keys
 
     def _set_partitions(self, partitions: dict[int, Any]) -> None:
         """Note [flat partitions]: step the params of ``partitions`` (id -> an object with

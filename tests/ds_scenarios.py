@@ -94,11 +94,11 @@ def train(ctx, engine, steps, first=0, data=None):
             engine.step()
 
 
-def reference(kind, backend, steps, model_of=None, data=None):
+def reference(kind, backend, steps, model_of=None, data=None, **opt_extra):
     """The same training in one process: full global batch, the mean loss."""
     model = (model_of or make_model)()
     init = [p.detach().clone() for p in model.parameters()]
-    opt = make_opt(kind, model, backend)
+    opt = make_opt(kind, model, backend, **opt_extra)
     for step in range(steps):
         x, y = (data or batch)(step)
         opt.zero_grad()
@@ -292,7 +292,7 @@ def refusals(ctx, backend):
     """What enable_deepspeed_zero and a step refuse, and that a refused step changes nothing."""
     out = {}
     for name, extra in (("max_grad_norm", dict(max_grad_norm=1.0)),
-                        ("state_precision", dict(state_precision="bf16", state_min_numel=0))):
+                        ("state_precision", dict(state_precision="8bit", state_min_numel=0))):
         try:
             engine_for("lamb", backend, config(2), **extra)
             out[name] = "accepted"
@@ -319,6 +319,24 @@ def refusals(ctx, backend):
         out["elastic_checkpoint"] = "accepted"
     except (ValueError, RuntimeError, TypeError) as e:
         out["elastic_checkpoint"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _bf16_state(ctx, backend, stage):
+    """ZeRO with bf16 state against one process with bf16 state; the same with each piece's
+    random bits counted from its own first element (the control); and how far one process's
+    bf16 state is from its full state."""
+    extra = dict(state_precision="bf16", state_min_numel=0)
+    init, ref = reference("lamb", backend, STEPS, **extra)
+    out = {"bf16_vs_full": apart(init, reference("lamb", backend, STEPS)[1], ref)}
+    for name in ("enabled", "local_bits"):
+        engine, opt = engine_for("lamb", backend, config(stage), **extra)
+        if name == "local_bits":
+            for part in opt._partitions.values():
+                part.firsts = [0] * len(part.firsts)
+        train(ctx, engine, STEPS)
+        out[name] = apart(init, ref, engine.module.parameters())
+    out["state_dtypes"] = sorted({str(st["exp_avg_sq"].dtype) for st in opt.state.values()})
     return out
 
 
@@ -349,6 +367,13 @@ def scenarios(backends):
     return out
 
 
+def bf16_state_scenarios(backends):
+    """A job of their own: run after the scenarios above in the same processes, or before them,
+    a ZeRO-3 engine's collectives time out (as with offload_optimizer above)."""
+    return [(f"bf16state-zero{stage}-{be}", _bf16_state, (be, stage))
+            for be in backends for stage in (1, 2, 3)]
+
+
 def context(rank, world, out_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed  # noqa: F401 - joins the process group made by dist_utils.main
@@ -357,4 +382,5 @@ def context(rank, world, out_dir):
 
 
 if __name__ == "__main__":
-    dist_utils.main(sys.argv[1:], scenarios, context)
+    dist_utils.main(sys.argv[1:], bf16_state_scenarios if os.environ.get("FUSEDOPT_DS_JOB") ==
+                    "bf16state" else scenarios, context)
