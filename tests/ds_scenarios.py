@@ -252,16 +252,16 @@ def doc_block(ctx):
     return {"steps": ns["engine"].global_steps, "partitions": len(ns["opt"]._partitions)}
 
 
-def resume(ctx, kind, backend, stage, enable_after_load=False):
+def resume(ctx, kind, backend, stage, enable_after_load=False, **opt_extra):
     """Save after 2 steps, train 2 more; a fresh engine loads the checkpoint and trains the same
     2: the params and the optimizer state must be equal bit for bit."""
     path = os.path.join(ctx["out_dir"], f"ckpt-{kind}-{backend}-{stage}")
     cfg = config(stage)
-    a, opt_a = engine_for(kind, backend, cfg)
+    a, opt_a = engine_for(kind, backend, cfg, **opt_extra)
     train(ctx, a, 2)
     a.save_checkpoint(path, tag="t")
     train(ctx, a, 2, first=2)
-    b, opt_b = engine_for(kind, backend, cfg, enable=not enable_after_load)
+    b, opt_b = engine_for(kind, backend, cfg, enable=not enable_after_load, **opt_extra)
     b.load_checkpoint(path, tag="t")
     if enable_after_load:
         import fusedopt.distributed
@@ -370,8 +370,12 @@ def scenarios(backends):
 def bf16_state_scenarios(backends):
     """A job of their own: run after the scenarios above in the same processes, or before them,
     a ZeRO-3 engine's collectives time out (as with offload_optimizer above)."""
-    return [(f"bf16state-zero{stage}-{be}", _bf16_state, (be, stage))
-            for be in backends for stage in (1, 2, 3)]
+    bf16 = dict(state_precision="bf16", state_min_numel=0)
+    return [*((f"bf16state-zero{stage}-{be}", _bf16_state, (be, stage))
+              for be in backends for stage in (1, 2, 3)),
+            *((f"bf16state-resume-zero{stage}-{backends[0]}",
+               lambda ctx, *a: resume(ctx, *a, **bf16), ("lamb", backends[0], stage))
+              for stage in (2, 3))]
 
 
 def context(rank, world, out_dir):

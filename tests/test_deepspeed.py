@@ -154,6 +154,14 @@ def test_bf16_state_matches_one_process(bf16_state_job, backend, stage):
         assert r["local_bits"] > 2 * r["enabled"], r
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_state_checkpoint_resumes_bit_for_bit(bf16_state_job, stage):
+    """A DeepSpeed checkpoint of bf16 state, loaded into a fresh engine, continues bit for bit."""
+    for r in results(bf16_state_job, f"bf16state-resume-zero{stage}-{BACKENDS[0]}"):
+        assert r["params"] == 0.0 and r["state"] == 0.0, r
+        assert r["steps"] == [4.0, 4.0], r
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_refusals(job, backend):
     for r in results(job, f"refusals-{backend}"):
