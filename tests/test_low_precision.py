@@ -659,3 +659,43 @@ def test_distributed_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
     step(models[1], twin)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
+
+
+def test_random_key_places_a_shard_as_torch_does():
+    """lowp.random_key's first element of a local shard (Shard(0)/Replicate placements on 1-D and
+    2-D meshes, even, uneven and empty shards, every rank) is the global offset that
+    torch.distributed.tensor computes for that shard, times the row length (a fake process group
+    stands in for 4 ranks)."""
+    import itertools
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    checked = 0
+    for rank in range(4):
+        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+        try:
+            for mesh_shape in ((4,), (2, 2)):
+                mesh = init_device_mesh("cpu", mesh_shape)
+                for placements in itertools.product((Shard(0), Replicate()),
+                                                    repeat=len(mesh_shape)):
+                    for rows in range(10):
+                        shape, offset = compute_local_shape_and_global_offset((rows, 3), mesh,
+                                                                              placements)
+                        local = torch.zeros(shape)
+                        p = DTensor.from_local(local, mesh, placements, run_check=False,
+                                               shape=(rows, 3), stride=(3, 1))
+                        key = lowp.random_key(5, p, local)
+                        assert key & 0xFFFFFFFF == 5
+                        if local.numel():
+                            assert (key >> 32) & 0xFFFFFFFF == offset[0] * 3, (rank, placements,
+                                                                              rows)
+                            checked += 1
+        finally:
+            dist.destroy_process_group()
+    assert checked > 100
