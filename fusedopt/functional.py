@@ -123,10 +123,6 @@ def _check_group(kind: str, gi: int, g: TensorGroup) -> None:
                             f"{key!r} is {type(x).__name__}, not a tensor")
     params, grads = g.params, g.grads
     check_tensors(kind, gi, params, grads)
-    for i, (p, gr) in enumerate(zip(params, grads)):
-        if p.shape != gr.shape:
-            raise RuntimeError(f"{name}: param group {gi} has a grad of shape {tuple(gr.shape)} "
-                               f"for a param of shape {tuple(p.shape)} (param {i})")
     if torch.compiler.is_compiling():
         return  # traced tensors have no addresses; the optimizers check new params eagerly
     written = [("params", params), *((f, xs) for f, xs in lists.items() if f != "grads")]
@@ -136,7 +132,7 @@ def _check_group(kind: str, gi: int, g: TensorGroup) -> None:
 def check_tensors(kind: str, gi: int, params: list[torch.Tensor],
                   grads: list[torch.Tensor]) -> None:
     """Raise, naming the group, on params and grads that no backend can step (layouts, dtypes,
-    devices). Set-based: cheap for thousands of tensors."""
+    devices, shapes). Set-based where it can be: cheap for thousands of tensors."""
     name = _name(kind)
     if any(lay is not torch.strided for lay in {t.layout for t in (*params, *grads)}):
         raise RuntimeError(f"{name} does not support sparse params or gradients (param group {gi})")
@@ -151,6 +147,10 @@ def check_tensors(kind: str, gi: int, params: list[torch.Tensor],
                            f"params on {sorted(str(d) for d in devices)}")
     if {t.device for t in grads} != devices:
         raise RuntimeError(f"{name}: param group {gi} has grads on another device than its params")
+    for i, (p, gr) in enumerate(zip(params, grads)):
+        if p.shape != gr.shape:
+            raise RuntimeError(f"{name}: param group {gi} has a grad of shape {tuple(gr.shape)} "
+                               f"for a param of shape {tuple(p.shape)} (param {i})")
 
 
 def check_new_params(kind: str, gi: int, params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -161,10 +161,6 @@ def check_new_params(kind: str, gi: int, params: list[torch.Tensor], grads: list
     names) and hyper-parameters their compute dtypes cannot hold."""
     name = _name(kind)
     check_tensors(kind, gi, params, grads)
-    for i, (p, gr) in enumerate(zip(params, grads)):
-        if p.shape != gr.shape:
-            raise RuntimeError(f"{name}: param group {gi} has a grad of shape {tuple(gr.shape)} "
-                               f"for a param of shape {tuple(p.shape)} (param {i})")
     _refuse_overlap(name, gi, _overlap([("params", params)], []))
     chosen = set()
     for device, p_dtype, g_dtype in {(p.device, p.dtype, gr.dtype) for p, gr in zip(params, grads)}:
