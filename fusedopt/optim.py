@@ -704,11 +704,7 @@ class _TrustRatioOptimizer(Optimizer):
         # not an argument: dynamo may compile this frame on its own while step() runs eagerly
         traced = torch.compiler.is_compiling()
         lrs = [g["lr"] for g in self.param_groups if isinstance(g["lr"], torch.Tensor)]
-        shared = False
-        for i in range(len(lrs)):
-            for j in range(i + 1, len(lrs)):
-                shared = shared or lrs[i] is lrs[j]
-        if shared:
+        if len(set(map(id, lrs))) < len(lrs):  # one object in several groups
             if traced:  # before anything is traced: a graph break here costs nothing
                 _unshare_lrs_outside_graph(self)
             else:

@@ -482,21 +482,26 @@ def test_compiled_bf16_step_after_masters_are_switched_off(backend):
     _assert_same(backend, *runs)
 
 
-def test_a_shared_tensor_lr_becomes_a_view_per_group():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_shared_tensor_lr_becomes_a_view_per_group(compiled):
     """Note [shared tensor lr]: the constructor's tensor lr, shared by the groups, is a view per
-    group after the first: the same storage, so a scheduler's in-place change reaches them all."""
+    group after the first: the same storage, so a scheduler's in-place change reaches them all;
+    one tensor put into two groups by hand is separated at the next step, compiled or not."""
     model = _model()
     lr = torch.tensor(0.01)
     opt = fusedopt.FusedLAMB(fusedopt.param_groups(model, weight_decay=0.01), lr=lr)
+    step = torch.compile(opt.step) if compiled else opt.step
     g0, g1 = opt.param_groups
     assert g0["lr"] is lr and g1["lr"] is not lr
     assert g1["lr"].untyped_storage().data_ptr() == lr.untyped_storage().data_ptr()
+    torch.nn.functional.cross_entropy(model(_data()[0]), _data()[1]).backward()
+    step()
     lr.fill_(0.5)
     assert float(g1["lr"]) == 0.5
     g1["lr"] = g0["lr"]  # shared again by hand: separated at the next step
-    torch.nn.functional.cross_entropy(model(_data()[0]), _data()[1]).backward()
-    opt.step()
+    step()
     assert g1["lr"] is not g0["lr"] and float(g1["lr"]) == 0.5
+    assert g1["lr"].untyped_storage().data_ptr() == lr.untyped_storage().data_ptr()
 
 
 _option_values = st.tuples(st.floats(1e-4, 0.1), st.floats(0.5, 0.99), st.floats(0.0, 0.1),
