@@ -257,11 +257,17 @@ def scales_shape(shape: torch.Size) -> tuple[int, ...]:
     return (n_blocks(n),)
 
 
+def _shards_are_runs(p: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether the local shard ``local`` of the DTensor ``p`` is a run of whole rows of dim 0 of
+    the whole tensor: every placement Replicate or Shard(0), the shard contiguous."""
+    return local.is_contiguous() and all(pl.is_replicate() or pl.is_shard(0)
+                                         for pl in p.placements)
+
+
 def rows_hold_blocks(p: torch.Tensor) -> bool:
     """Whether the local shards of the DTensor ``p`` are runs of whole rows made of whole 8-bit
     blocks (Note [sharded 8-bit state])."""
-    return (len(scales_shape(p.shape)) == 2 and p.to_local().is_contiguous()
-            and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements))
+    return len(scales_shape(p.shape)) == 2 and _shards_are_runs(p, p.to_local())
 
 
 def random_key(index: int, p: torch.Tensor, local: torch.Tensor) -> int:
@@ -273,8 +279,7 @@ def random_key(index: int, p: torch.Tensor, local: torch.Tensor) -> int:
     signed int64."""
     first = 0
     coord = p.device_mesh.get_coordinate() if hasattr(p, "to_local") and p.dim() > 0 else None
-    if (coord is not None and local.is_contiguous()
-            and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements)):
+    if coord is not None and _shards_are_runs(p, local):
         rows = p.shape[0]  # of the run so far, cut mesh dimension by mesh dimension
         for d, pl in enumerate(p.placements):
             if pl.is_shard(0):  # as torch.chunk cuts (Shard's rule), in plain integers
@@ -363,7 +368,7 @@ def packed_moment(saved: dict, key: str, p: torch.Tensor) -> torch.Tensor | None
         return from_saved(value, saved[key + "_scales"], p)
     size = packed_numel(p.numel())
     if value.dim() != 1 or value.numel() != size:
-        raise ValueError(f"load_state_dict: the 8-bit {key!r} is {tuple(value.shape)} bytes "
+        raise ValueError(f"the 8-bit {key!r} is {tuple(value.shape)} bytes "
                          f"without {key + '_scales'!r}; expected codes and scales, or {size} "
                          "packed bytes")
     if not hasattr(p, "to_local"):

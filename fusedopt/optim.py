@@ -492,7 +492,7 @@ class _TrustRatioOptimizer(Optimizer):
              columns[-1] if master else [None] * len(ps)], bases)
 
     def _fragments(self, gi: int, group: dict[str, Any], ps: list, lps: list, lgs: list,
-                   columns: list[list], keys) -> tuple[list, list, list, list[list], list]:
+                   columns: list[list], keys) -> tuple[list, list, list, list[list], list | None]:
         """Note [flat partitions]: a param registered by :meth:`_set_partitions` (a flat buffer
         of pieces of several tensors, as DeepSpeed ZeRO hands its optimizer) enters the step as
         one row per piece: views of the param, its grad and its state over the piece, with the
@@ -503,11 +503,12 @@ class _TrustRatioOptimizer(Optimizer):
         the others copy before each step (a checkpoint loader may set it in place). Each piece's
         key of the random bits (bf16 state) is that of its elements in its tensor: the tensor's
         index and the piece's first element (docs/math.md, "Random bits"); ``keys`` are the keys
-        of the rows given (None: their indices), the keys returned those of the rows returned."""
+        of the rows given (None: their indices), the keys returned those of the rows returned
+        (None where no row has bf16 state and none was given: the kernels then read none)."""
         name = type(self).__name__
         self._named(gi, check_partition_options, group)
         out: list[list] = [[] for _ in range(3 + len(columns))]
-        row_keys = []
+        row_keys, rounded = [], keys is not None
         for i, p in enumerate(ps):
             row = (p, lps[i], lgs[i], *(xs[i] for xs in columns))
             part = self._partitions.get(id(p))
@@ -521,6 +522,7 @@ class _TrustRatioOptimizer(Optimizer):
                 raise ValueError(f"{name}: param group {gi}: a flat partition takes state of its "
                                  "own dtype or bf16 state, and no master weights (DeepSpeed keeps "
                                  f"the float32 masters); its params are {p.dtype}")
+            rounded = rounded or columns[1][i].dtype == torch.bfloat16
             if lgs[i].shape != p.shape or not lgs[i].is_contiguous():
                 raise RuntimeError(f"{name}: param group {gi}: the grad of a flat partition must "
                                    f"be contiguous of shape {tuple(p.shape)}")
@@ -543,7 +545,7 @@ class _TrustRatioOptimizer(Optimizer):
                     xs.extend(t.narrow(0, s, n) for s, n in zip(part.starts, part.numels))
             row_keys.extend(map(lowp.key_of, map(part.tensor_of.get, part.starts), part.firsts))
         ps, lps, lgs, *columns = out
-        return ps, lps, lgs, columns, row_keys
+        return ps, lps, lgs, columns, row_keys if rounded else None
 
     def _set_partitions(self, partitions: dict[int, Any]) -> None:
         """Note [flat partitions]: step the params of ``partitions`` (id -> an object with
@@ -745,8 +747,8 @@ class _TrustRatioOptimizer(Optimizer):
         params = [(g, p) for g in self.param_groups for p in g["params"]]
         packed = {}  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
         for pid, (_, p) in zip(saved_ids, params) if len(saved_ids) == len(params) else ():
+            saved = state_dict["state"].get(pid) or {}
             for key in self._state_keys:
-                saved = state_dict["state"].get(pid) or {}
                 try:
                     packed[pid, key] = lowp.packed_moment(saved, key, p)
                 except (ValueError, TypeError) as e:

@@ -370,13 +370,18 @@ def test_a_block_with_one_large_and_many_tiny_values(precision, tiny):
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def _assert_continue_alike(params, opt, twins, twin):
-    """Two more steps on the same grads leave both runs' params and state bit-identical."""
-    for ps, o in ((params, opt), (twins, twin)):
+def _more_steps(runs, steps):
+    """``steps`` more steps of each ``(params, optimizer)`` run, on the same grads."""
+    for ps, o in runs:
         gen = torch.Generator().manual_seed(9)
-        for _ in range(2):
+        for _ in range(steps):
             _grads(ps, gen)
             o.step()
+
+
+def _assert_continue_alike(params, opt, twins, twin):
+    """Two more steps on the same grads leave both runs' params and state bit-identical."""
+    _more_steps(((params, opt), (twins, twin)), 2)
     for a, b in zip(params, twins):
         assert torch.equal(a, b)
     for (k1, a), (k2, b) in zip(_state_bytes(opt, params), _state_bytes(twin, twins)):
@@ -469,11 +474,7 @@ def test_loading_state_of_another_format_converts_with_one_warning(precision):
         a, b = opt.state[params[0]][key], bopt.state[back[0]][key]
         big_enough = a.abs() > a.abs().max() * 1e-3
         assert (((a - b).abs() / a.abs())[big_enough] <= 2 * tol).all(), key
-    for ps, o in ((params, opt), (low, lopt)):
-        gen = torch.Generator().manual_seed(9)
-        for _ in range(3):
-            _grads(ps, gen)
-            o.step()
+    _more_steps(((params, opt), (low, lopt)), 3)
     for a, b in zip(params, low):
         assert float((a - b).norm() / a.norm()) < 1e-3
     assert torch.equal(params[2], low[2])  # full state below state_min_numel: not converted
