@@ -89,3 +89,33 @@ def test_chunk_index_is_built_once_per_bucket(monkeypatch):
     opt.step()
     opt.step()
     assert not built, "the chunk index was built again in a steady step"
+
+
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_large_strided_params_match_contiguous_ones(kind):
+    """Params above the norm chunk (Note [chunked norms]) that are not contiguous: a transposed
+    one (dense in another order of its dims: its norms read in memory order) and a sliced one
+    (not dense: read through a copy) step as contiguous params with the same values do."""
+    import fusedopt
+    from fusedopt.backends import eager
+
+    gen = torch.Generator().manual_seed(3)
+    big = eager._NORM_CHUNK + 5000
+    values = [torch.randn(big // 100, 100, generator=gen), torch.randn(100, 2 * big // 100,
+                                                                       generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(3)]
+    strided = [torch.nn.Parameter(values[0].t().contiguous().t()),
+               torch.nn.Parameter(torch.stack([values[1], values[1]], 2)[..., 0])]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opts = [cls(ps, lr=1e-2, weight_decay=0.01, backend="eager", max_grad_norm=1.0)
+            for ps in (strided, plain)]
+    for gs in grads:
+        for ps, opt in zip((strided, plain), opts):
+            for p, g in zip(ps, gs):
+                p.grad = torch.empty_like(p).copy_(g)  # of the param's strides, as autograd's
+            opt.step()
+    assert not any(p.is_contiguous() for p in strided) and not strided[0].grad.is_contiguous()
+    for a, b, v in zip(strided, plain, values):
+        assert not torch.equal(b.detach(), v)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)

@@ -96,10 +96,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     """All elements of ``t`` as a 1-d tensor: a view when ``t`` is dense (any strides)."""
     if t.is_contiguous():
         return t.view(-1)
-    if t.is_non_overlapping_and_dense():
-        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-        return t.permute(order).view(-1)
-    return t.reshape(-1)
+    # dense in some order of its dims exactly when, permuted to decreasing strides, it is contiguous
+    q = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return q.view(-1) if q.is_contiguous() else t.reshape(-1)
 
 
 def _sq(tensors: list[torch.Tensor], dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
