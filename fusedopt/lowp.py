@@ -14,6 +14,8 @@ writes; the 32-bit hash runs in int64 arithmetic masked to 32 bits (its multipli
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 FORMATS = ("full", "bf16", "8bit")
@@ -90,12 +92,17 @@ def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     return signed.to(torch.int32).view(torch.float32)
 
 
-def bf16_stochastic(v: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """``v`` (float32, flat) rounded to bf16 stochastically with ``bits`` (docs/math.md): the
-    float32 bits plus ``bits >> 16``, the low 16 bits dropped; inf and NaN converted as they are."""
+def bf16_grid(v: torch.Tensor, bits: torch.Tensor | None) -> torch.Tensor:
+    """``v`` (float32, flat) rounded to bf16 (docs/math.md), as the float32 values of the bf16
+    numbers: stochastically with ``bits`` (the float32 bits plus ``bits >> 16``), to nearest even
+    without (plus ``0x7fff`` and the kept bit's parity), the low 16 bits dropped; inf and NaN
+    kept. Rounded in the integer bits, not by casts: torch.compile's inductor drops a cast to
+    bf16 and back inside one fused kernel (it keeps the float32 value), and the trust ratio must
+    see the values stored."""
     raw = v.view(torch.int32).to(torch.int64) & _MASK
-    rounded = _bits_to_float((((raw + (bits >> 16)) >> 16) << 16) & _MASK).to(torch.bfloat16)
-    return torch.where(torch.isfinite(v), rounded, v.to(torch.bfloat16))
+    add = (bits >> 16) if bits is not None else 0x7FFF + ((raw >> 16) & 1)
+    rounded = _bits_to_float((((raw + add) >> 16) << 16) & _MASK)
+    return torch.where(torch.isfinite(v), rounded, v)
 
 
 # ---------------------------------------------------------------------------------- 8-bit
@@ -173,6 +180,45 @@ def decode_sqrt(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- whole tensors
+# Note [8-bit operators]: the eager step reads and writes 8-bit state through two torch.library
+# operators, so that under torch.compile inductor runs them as the eager functions they are
+# instead of fusing them into the step's kernels. Fused, inductor's CPU code computed a per-block
+# value broadcast to the elements (``scales.repeat_interleave(BLOCK)[:n]``, or ``x / amax`` over
+# blocks then flattened to ``n``) over the first block only when ``n`` is not a multiple of
+# BLOCK, leaving the others unwritten, and turned the division by a constant into a
+# multiplication (scales 1 ulp apart): the trust ratio of a compiled eager step then belonged to
+# other values than the ones stored. bf16 state needs no operator: its rounding is written in the
+# integer bits (``bf16_grid``), which inductor keeps.
+@torch.library.custom_op("fusedopt::lowp_read8", mutates_args=())
+def _read8(state: torch.Tensor, n: int, root: bool) -> torch.Tensor:
+    scales, codes = split(state, n)
+    if root:
+        return decode_sqrt(codes, scales)
+    return decode_signed(codes.view(torch.int8), scales)
+
+
+@_read8.register_fake
+def _(state, n, root):
+    return state.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedopt::lowp_write8", mutates_args=())
+def _write8(x: torch.Tensor, root: bool,
+            bits: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = x.reshape(-1)
+    if root:
+        codes, scales = encode_sqrt(flat, bits)
+        return pack(codes, scales), decode_sqrt(codes, scales).view(x.shape)
+    codes, scales = encode_signed(flat)
+    return pack(codes, scales), decode_signed(codes, scales).view(x.shape)
+
+
+@_write8.register_fake
+def _(x, root, bits):
+    return (x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8),
+            x.new_empty(x.shape, dtype=torch.float32))
+
+
 def read(state: torch.Tensor, shape: torch.Size, root: bool = False) -> torch.Tensor:
     """The float32 values a state tensor stores, of the param's ``shape`` (full state is returned
     as it is). ``root``: the tensor is LAMB's ``exp_avg_sq``; 8-bit state then gives ``s`` and the
@@ -182,11 +228,7 @@ def read(state: torch.Tensor, shape: torch.Size, root: bool = False) -> torch.Te
         return state
     if fmt == "bf16":
         return state.to(torch.float32)
-    n = shape.numel()
-    scales, codes = split(state, n)
-    if root:
-        return decode_sqrt(codes, scales).view(shape)
-    return decode_signed(codes.view(torch.int8), scales).view(shape)
+    return _read8(state, shape.numel(), root).view(shape)
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -205,19 +247,12 @@ def write(fmt: str, x: torch.Tensor, *, root: bool = False,
     it then holds, of ``x``'s shape). ``root``: ``x`` is LAMB's ``v`` (stochastic rounding with
     ``bits`` when given, to nearest otherwise), and the values returned are ``s = √v``; otherwise
     ``x`` is a signed moment, rounded to nearest."""
-    flat = x.reshape(-1)
     if fmt == "full":
         return x, torch.sqrt(x) if root else x
     if fmt == "bf16":
-        stored = (bf16_stochastic(flat, bits) if root and bits is not None
-                  else flat.to(torch.bfloat16)).view(x.shape)
-        held = stored.to(torch.float32)
-        return stored, torch.sqrt(held) if root else held
-    if root:
-        codes, scales = encode_sqrt(flat, bits)
-        return pack(codes, scales), decode_sqrt(codes, scales).view(x.shape)
-    codes, scales = encode_signed(flat)
-    return pack(codes, scales), decode_signed(codes, scales).view(x.shape)
+        held = bf16_grid(x.reshape(-1), bits if root else None).view(x.shape)
+        return held.to(torch.bfloat16), torch.sqrt(held) if root else held
+    return _write8(x, root, bits)
 
 
 def convert(state: torch.Tensor, fmt: str, like: torch.Tensor, *, root: bool,

@@ -16,6 +16,9 @@ PRECISIONS = ("bf16", "8bit")
 LARS_HYPER = dict(lr=0.1, momentum=0.9, weight_decay=1e-4)
 
 
+_STATE_DTYPE = {"bf16": torch.bfloat16, "8bit": torch.uint8}
+
+
 def _opt(kind, params, backend, precision, **kw):
     if kind == "lamb":
         return fusedopt.FusedLAMB(params, backend=backend, state_precision=precision, **kw)
@@ -574,21 +577,41 @@ def test_a_backend_without_the_format_is_refused_or_passed_over():
     assert not torch.equal(p, before[0])
 
 
-def test_compiled_step_equals_uncompiled_with_a_scheduled_lr():
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("backend", ["cpp", "eager"])
+def test_compiled_step_equals_uncompiled_with_a_scheduled_lr(backend, kind, precision):
+    """cpp runs as operators: bit for bit. The eager backend's ops are fused by inductor (its
+    float32 results round apart by an ulp here and there, and a code then and again rounds the
+    other way); its 8-bit state is read and written by operators (Note [8-bit operators] in
+    fusedopt/lowp.py) and its bf16 rounding is written in the bits, without which the compiled
+    trust ratio belonged to other values than those stored (params 1e-2 apart). A 5000-element
+    tensor ends in a partial block."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
         gen = torch.Generator().manual_seed(11)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((64, 80), (5000,), (7,))]
-        opt = _opt("lamb", params, "cpp", "8bit")
+        opt = _opt(kind, params, backend, precision)
         step = torch.compile(opt.step) if compiled else opt.step
         for t in range(4):
             opt.param_groups[0]["lr"] = 1e-3 * (t + 1)
             _grads(params, gen)
             step()
-        runs.append([p.detach().clone() for p in params] + [v for _, v in _state_bytes(opt, params)])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+        runs.append(([p.detach().clone() for p in params], _state_bytes(opt, params)))
+    (params, state), (params_c, state_c) = runs
+    assert {v.dtype for _, v in state} >= {torch.float32, _STATE_DTYPE[precision]}
+    if backend == "cpp":
+        assert all(map(torch.equal, params, params_c))
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(state, state_c))
+        return
+    for p, q in zip(params, params_c):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+    for (key, a), (_, b) in zip(state, state_c):
+        if a.dtype == torch.float32:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        else:
+            assert (a != b).sum().item() <= a.numel() // 200, key
 
 
 def test_flatten_parameters_with_8bit_state():
