@@ -580,7 +580,7 @@ def test_a_backend_without_the_format_is_refused_or_passed_over():
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 @pytest.mark.parametrize("backend", ["cpp", "eager"])
-def test_compiled_step_equals_uncompiled_with_a_scheduled_lr(backend, kind, precision):
+def test_compiled_step_equals_uncompiled_with_scheduled_options(backend, kind, precision):
     """cpp runs as operators: bit for bit. The eager backend's ops are fused by inductor (its
     float32 results round apart by an ulp here and there, and a code then and again rounds the
     other way); its 8-bit state is read and written by operators (Note [8-bit operators] in
@@ -594,8 +594,13 @@ def test_compiled_step_equals_uncompiled_with_a_scheduled_lr(backend, kind, prec
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((64, 80), (5000,), (7,))]
         opt = _opt(kind, params, backend, precision)
         step = torch.compile(opt.step) if compiled else opt.step
-        for t in range(4):
-            opt.param_groups[0]["lr"] = 1e-3 * (t + 1)
+        group = opt.param_groups[0]
+        for t in range(4):  # every float option changes between steps, as schedulers change them
+            group.update(lr=1e-3 * (t + 1), weight_decay=1e-3 * (t + 1))
+            if kind == "lamb":
+                group.update(betas=(0.9 - 0.01 * t, 0.999 - 0.001 * t), eps=1e-6 * (t + 1))
+            else:
+                group.update(momentum=0.9 - 0.05 * t, trust_coefficient=1e-3 * (t + 1))
             _grads(params, gen)
             step()
         runs.append(([p.detach().clone() for p in params], _state_bytes(opt, params)))
@@ -605,8 +610,10 @@ def test_compiled_step_equals_uncompiled_with_a_scheduled_lr(backend, kind, prec
         assert all(map(torch.equal, params, params_c))
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(state, state_c))
         return
-    for p, q in zip(params, params_c):
-        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+    for p, q in zip(params, params_c):  # a value rounded the other way moves a few elements;
+        # a trust ratio of other values (the failure this guards against) moves all of them
+        assert ((p - q).abs() > 1e-6).sum().item() <= max(1, p.numel() // 200)
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-4)
     for (key, a), (_, b) in zip(state, state_c):
         if a.dtype == torch.float32:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
