@@ -74,15 +74,23 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+@torch.library.custom_op("fusedopt::lowp_random_bits", mutates_args=())
 def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
     """``bits(e)`` for the ``n`` elements stepped of a tensor whose step count (after the
     increment) is ``step`` and whose key is ``key`` (docs/math.md, "Random bits": its low 32 bits
     key the tensor, its high 32 bits are the index of the first element stepped): int64 values
-    in [0, 2^32)."""
+    in [0, 2^32). An operator for the reason of Note [8-bit operators]: fused by inductor, the
+    hash of the step count failed to compile when a param group held params of two dtypes (a
+    C++ XOR of two floats)."""
     t = step.reshape(()).to(torch.int64) & _MASK
     base = _mix(_mix(t ^ _SEED) ^ (key & _MASK))
     e = (torch.arange(n, dtype=torch.int64, device=step.device) + (key >> 32)) & _MASK
     return _mix(base ^ e)
+
+
+@random_bits.register_fake
+def _(step, key, n):
+    return step.new_empty((n,), dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------- bf16
