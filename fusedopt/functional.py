@@ -405,7 +405,8 @@ def _as_checked(b: Bucket, seen: tuple) -> bool:
 
 def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
     """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
-    step) for any row whose tensors do not share one dense layout."""
+    step) for any row whose tensors do not share one dense layout, or whose param is not
+    contiguous and has bf16 LAMB state."""
     def pick(xs):  # the group's own list when the bucket is the whole group (Note [kept buckets])
         return None if xs is None else xs if len(idx) == len(g.params) else [xs[i] for i in idx]
 
@@ -432,9 +433,13 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
                          if getattr(b, f) is not None], rows[2:]):
         setattr(b, name, xs)
     for i, p in enumerate(b.params):
-        # a packed 8-bit state (uint8) walks its elements in the param's contiguous order
+        # a packed 8-bit state (uint8) walks its elements in the param's contiguous order, and
+        # so does LAMB's bf16 v: its random bits follow the elements' indices (docs/math.md,
+        # "Random bits"), which a walk in another order of memory would pair otherwise
         shaped = [xs for xs in rows if xs[i].dtype != torch.uint8]
-        if all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in shaped):
+        rounded = b.exp_avg_sqs is not None and b.exp_avg_sqs[i].dtype == torch.bfloat16
+        if ((p.is_contiguous() or not rounded)
+                and all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in shaped)):
             continue
         for j, xs in enumerate(shaped):
             stand_in = xs[i].contiguous()

@@ -321,6 +321,14 @@ class _TrustRatioOptimizer(Optimizer):
         own elements. Saving one state tensor alone writes its whole buffer (as for a view).
         DTensor shards (sharded training) and non-contiguous params get tensors of their own.
         """
+        if group["state_precision"] == "8bit":
+            kept = sum(self._state_format(group, p) == "bf16" for p in ps)
+            if kept:
+                warnings.warn(f"{type(self).__name__}: {kept} param(s) of a group with "
+                              "state_precision='8bit' keep bf16 state: their elements are not "
+                              "contiguous (a transposed or channels_last param), or their shards "
+                              "are not runs of whole 256-element blocks (docs/math.md, "
+                              "\"Low-precision state\")")
         flat: dict[tuple, list[torch.Tensor]] = {}
         for p in ps:
             if hasattr(p, "to_local") or not p.is_contiguous():

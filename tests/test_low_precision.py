@@ -4,12 +4,15 @@ the accuracy of a run against fp32 state, the decay and zero-point cases, checkp
 features a step combines with the formats."""
 import copy
 import io
+import warnings
 import pytest
 import torch
 
 import fusedopt
 from fusedopt import lowp
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
+
+from helpers import backend_params
 
 BACKENDS = ("eager", "cpp")
 PRECISIONS = ("bf16", "8bit")
@@ -173,6 +176,33 @@ def _moments_of_runs(backend, precision, cuts, keys, steps=3):
                  for x, p in zip(xs, params)]
         out += [torch.cat(col) for col in zip(*parts)]
     return out
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_bf16_v_of_a_param_in_another_memory_order_rounds_as_a_contiguous_one(backend):
+    """The random bits of LAMB's bf16 v follow each element's index in its tensor, whatever the
+    param's memory layout (docs/math.md, "Random bits"): a channels_last and a transposed param,
+    their grads of the same strides (as autograd makes them), store the v of contiguous params
+    of the same values bit for bit, on every backend (cpp walked memory, pairing the bits with
+    other elements)."""
+    gen = torch.Generator().manual_seed(21)
+    values = [torch.randn(32, 16, 3, 3, generator=gen), torch.randn(96, 64, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(3)]
+    runs = []
+    for layout in ("contiguous", "strided"):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        if layout == "strided":
+            params = [torch.nn.Parameter(values[0].to(memory_format=torch.channels_last)),
+                      torch.nn.Parameter(values[1].t().contiguous().t())]
+            assert not any(p.is_contiguous() for p in params)
+        opt = _opt("lamb", params, backend, "bf16", state_min_numel=0)
+        for gs in grads:
+            for p, g in zip(params, gs):
+                p.grad = torch.empty_like(p).copy_(g)
+            opt.step()
+        runs.append([opt.state[p]["exp_avg_sq"] for p in params])
+    for a, b in zip(*runs):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -541,9 +571,14 @@ def test_state_formats_follow_the_options():
                               {"params": ps[2:], "state_precision": "full"}], backend="cpp")
     for p in ps + [nc]:
         p.grad = torch.randn_like(p)
-    opt.step()
+    with pytest.warns(UserWarning, match=r"1 param\(s\) of a group with state_precision='8bit' "
+                      "keep bf16 state"):
+        opt.step()
     dt = [opt.state[p]["exp_avg_sq"].dtype for p in ps + [nc]]
     assert dt == [torch.uint8, torch.float32, torch.float32, torch.bfloat16]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: when the state is made
+        opt.step()
     with pytest.raises(ValueError, match="state_precision"):
         fusedopt.FusedLAMB(ps, state_precision="int4")
     with pytest.raises(ValueError, match="state_min_numel"):
