@@ -19,15 +19,17 @@ import statistics
 import subprocess
 import sys
 
-# name -> (optimizer, shapes, flattened, state_precision)
+# name -> (optimizer, shapes, flattened, state_precision, backend)
 CASES = {
-    "bert-base LAMB": ("lamb", "bert", False, "full"),
-    "bert-base LARS": ("lars", "bert", False, "full"),
-    "4000 x 2,500 LAMB": ("lamb", "small", False, "full"),
-    "4000 x 2,500 LAMB, flattened": ("lamb", "small", True, "full"),
-    "4000 x 64 LAMB": ("lamb", "tiny", False, "full"),
-    "bert-base LAMB, 8-bit state": ("lamb", "bert", False, "8bit"),
-    "bert-base LARS, 8-bit state": ("lars", "bert", False, "8bit"),
+    "bert-base LAMB": ("lamb", "bert", False, "full", "cpp"),
+    "bert-base LARS": ("lars", "bert", False, "full", "cpp"),
+    "4000 x 2,500 LAMB": ("lamb", "small", False, "full", "cpp"),
+    "4000 x 2,500 LAMB, flattened": ("lamb", "small", True, "full", "cpp"),
+    "4000 x 64 LAMB": ("lamb", "tiny", False, "full", "cpp"),
+    "bert-base LAMB, 8-bit state": ("lamb", "bert", False, "8bit", "cpp"),
+    "bert-base LARS, 8-bit state": ("lars", "bert", False, "8bit", "cpp"),
+    "200 x 5,000 LAMB, eager, bf16 state": ("lamb", "mid", False, "bf16", "eager"),
+    "200 x 5,000 LAMB, eager, 8-bit state": ("lamb", "mid", False, "8bit", "eager"),
 }
 
 CHILD = r'''
@@ -52,9 +54,9 @@ def timed(fn, n):
     return statistics.median(times) * 1e3
 
 
-for name, (kind, shapes_name, flat, precision) in cases.items():
+for name, (kind, shapes_name, flat, precision, backend) in cases.items():
     shapes = {"bert": bert_base_shapes, "small": lambda: [(2500,)] * 4000,
-              "tiny": lambda: [(64,)] * 4000}[shapes_name]()
+              "tiny": lambda: [(64,)] * 4000, "mid": lambda: [(5000,)] * 200}[shapes_name]()
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
@@ -63,7 +65,7 @@ for name, (kind, shapes_name, flat, precision) in cases.items():
     cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
     extra = {} if precision == "full" else {"state_precision": precision}
     opt = cls(params, lr=1e-3 if kind == "lamb" else 0.1, weight_decay=0.01, max_grad_norm=1.0,
-              backend="cpp", **extra)
+              backend=backend, **extra)
     for _ in range(3):
         opt.step()
     out[name] = timed(opt.step, steps)

@@ -74,23 +74,30 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-@torch.library.custom_op("fusedopt::lowp_random_bits", mutates_args=())
-def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
-    """``bits(e)`` for the ``n`` elements stepped of a tensor whose step count (after the
-    increment) is ``step`` and whose key is ``key`` (docs/math.md, "Random bits": its low 32 bits
-    key the tensor, its high 32 bits are the index of the first element stepped): int64 values
-    in [0, 2^32). An operator for the reason of Note [8-bit operators]: fused by inductor, the
-    hash of the step count failed to compile when a param group held params of two dtypes (a
-    C++ XOR of two floats)."""
+def _hash_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
     t = step.reshape(()).to(torch.int64) & _MASK
     base = _mix(_mix(t ^ _SEED) ^ (key & _MASK))
     e = (torch.arange(n, dtype=torch.int64, device=step.device) + (key >> 32)) & _MASK
     return _mix(base ^ e)
 
 
-@random_bits.register_fake
+_hash_bits_op = torch.library.custom_op("fusedopt::lowp_random_bits", _hash_bits,
+                                        mutates_args=())
+
+
+@_hash_bits_op.register_fake
 def _(step, key, n):
     return step.new_empty((n,), dtype=torch.int64)
+
+
+def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
+    """``bits(e)`` for the ``n`` elements stepped of a tensor whose step count (after the
+    increment) is ``step`` and whose key is ``key`` (docs/math.md, "Random bits": its low 32 bits
+    key the tensor, its high 32 bits are the index of the first element stepped): int64 values
+    in [0, 2^32). Under torch.compile an operator (Note [8-bit operators]): fused by inductor,
+    the hash of the step count failed to compile when a param group held params of two dtypes (a
+    C++ XOR of two floats)."""
+    return (_hash_bits_op if torch.compiler.is_compiling() else _hash_bits)(step, key, n)
 
 
 # ---------------------------------------------------------------------------------- bf16
@@ -101,16 +108,15 @@ def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_grid(v: torch.Tensor, bits: torch.Tensor | None) -> torch.Tensor:
-    """``v`` (float32, flat) rounded to bf16 (docs/math.md), as the float32 values of the bf16
+    """``v`` (float32) rounded to bf16 (docs/math.md), as the float32 values of the bf16
     numbers: stochastically with ``bits`` (the float32 bits plus ``bits >> 16``), to nearest even
     without (plus ``0x7fff`` and the kept bit's parity), the low 16 bits dropped; inf and NaN
     kept. Rounded in the integer bits, not by casts: torch.compile's inductor drops a cast to
     bf16 and back inside one fused kernel (it keeps the float32 value), and the trust ratio must
     see the values stored."""
-    raw = v.view(torch.int32).to(torch.int64) & _MASK
-    add = (bits >> 16) if bits is not None else 0x7FFF + ((raw >> 16) & 1)
-    rounded = _bits_to_float((((raw + add) >> 16) << 16) & _MASK)
-    return torch.where(torch.isfinite(v), rounded, v)
+    raw = v.view(torch.int32)  # the sums wrap only for NaN patterns, which are not used
+    add = (bits >> 16).to(torch.int32) if bits is not None else ((raw >> 16) & 1) + 0x7FFF
+    return torch.where(torch.isfinite(v), ((raw + add) & -0x10000).view(torch.float32), v)
 
 
 # ---------------------------------------------------------------------------------- 8-bit
@@ -188,16 +194,17 @@ def decode_sqrt(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------- whole tensors
-# Note [8-bit operators]: the eager step reads and writes 8-bit state through two torch.library
-# operators, so that under torch.compile inductor runs them as the eager functions they are
-# instead of fusing them into the step's kernels. Fused, inductor's CPU code computed a per-block
+# Note [8-bit operators]: under torch.compile the eager step reads and writes 8-bit state, and
+# draws the random bits, through three torch.library operators, so that inductor runs them as the
+# eager functions they are instead of fusing them into the step's kernels (uncompiled, the step
+# calls the functions themselves: an operator call costs about as much as a dozen small torch
+# ops, docs/performance.md). Fused, inductor's CPU code computed a per-block
 # value broadcast to the elements (``scales.repeat_interleave(BLOCK)[:n]``, or ``x / amax`` over
 # blocks then flattened to ``n``) over the first block only when ``n`` is not a multiple of
 # BLOCK, leaving the others unwritten, and turned the division by a constant into a
 # multiplication (scales 1 ulp apart): the trust ratio of a compiled eager step then belonged to
 # other values than the ones stored. bf16 state needs no operator: its rounding is written in the
 # integer bits (``bf16_grid``), which inductor keeps.
-@torch.library.custom_op("fusedopt::lowp_read8", mutates_args=())
 def _read8(state: torch.Tensor, n: int, root: bool) -> torch.Tensor:
     scales, codes = split(state, n)
     if root:
@@ -205,12 +212,14 @@ def _read8(state: torch.Tensor, n: int, root: bool) -> torch.Tensor:
     return decode_signed(codes.view(torch.int8), scales)
 
 
-@_read8.register_fake
+_read8_op = torch.library.custom_op("fusedopt::lowp_read8", _read8, mutates_args=())
+
+
+@_read8_op.register_fake
 def _(state, n, root):
     return state.new_empty((n,), dtype=torch.float32)
 
 
-@torch.library.custom_op("fusedopt::lowp_write8", mutates_args=())
 def _write8(x: torch.Tensor, root: bool,
             bits: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     flat = x.reshape(-1)
@@ -221,7 +230,10 @@ def _write8(x: torch.Tensor, root: bool,
     return pack(codes, scales), decode_signed(codes, scales).view(x.shape)
 
 
-@_write8.register_fake
+_write8_op = torch.library.custom_op("fusedopt::lowp_write8", _write8, mutates_args=())
+
+
+@_write8_op.register_fake
 def _(x, root, bits):
     return (x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8),
             x.new_empty(x.shape, dtype=torch.float32))
@@ -236,7 +248,8 @@ def read(state: torch.Tensor, shape: torch.Size, root: bool = False) -> torch.Te
         return state
     if fmt == "bf16":
         return state.to(torch.float32)
-    return _read8(state, shape.numel(), root).view(shape)
+    read8 = _read8_op if torch.compiler.is_compiling() else _read8
+    return read8(state, shape.numel(), root).view(shape)
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -260,7 +273,7 @@ def write(fmt: str, x: torch.Tensor, *, root: bool = False,
     if fmt == "bf16":
         held = bf16_grid(x.reshape(-1), bits if root else None).view(x.shape)
         return held.to(torch.bfloat16), torch.sqrt(held) if root else held
-    return _write8(x, root, bits)
+    return (_write8_op if torch.compiler.is_compiling() else _write8)(x, root, bits)
 
 
 def convert(state: torch.Tensor, fmt: str, like: torch.Tensor, *, root: bool,
