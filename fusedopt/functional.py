@@ -179,8 +179,9 @@ def _refuse_overlap(name: str, gi: int, clash) -> None:
         return
     (a, t), (b, u) = clash
     if t is u:
-        raise ValueError(f"{name}: param group {gi} holds the same {'param' if a.startswith('params') else 'tensor'} "
-                         f"twice ({a} and {b}, counted among the params with grads)")
+        what = "param" if a.startswith("params") and b.startswith("params") else "tensor"
+        raise ValueError(f"{name}: param group {gi} holds the same {what} twice ({a} and {b}, "
+                         "counted among the params with grads)")
     raise ValueError(f"{name}: param group {gi}: {a} and {b} overlap in memory (views of one "
                      "tensor); a step writes them, so each must have memory of its own")
 

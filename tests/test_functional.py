@@ -83,6 +83,8 @@ BAD_INPUT = [
      r"(exp_avgs|momentum_buffers)\[1\] and (exp_avgs|momentum_buffers)\[2\] overlap in memory"),
     ("param_twice", _param_twice, ValueError,
      r"holds the same param twice \(params\[0\] and params\[2\]"),
+    ("grad_is_the_param", lambda a, kw: a[1].__setitem__(0, a[0][0]), ValueError,
+     r"holds the same tensor twice \(params\[0\] and grads\[0\]"),
     ("overlapping_params", _overlapping_params, ValueError,
      r"params\[0\] and params\[1\] overlap in memory"),
     ("moment_is_the_param", lambda a, kw: a[2].__setitem__(0, a[0][0].detach()), ValueError,
