@@ -204,11 +204,17 @@ class _TrustRatioOptimizer(Optimizer):
                                  "moments in low precision; float64 params keep full state (put "
                                  "them in a group with state_precision='full')")
         super().add_param_group(param_group)
+        self._find_sharded()
         _unshare_lrs(self.param_groups)
         if hasattr(self, "_cache"):
             self._fresh()
             for gi, group in enumerate(self.param_groups):
                 self._remember_options(gi, group)
+
+    def _find_sharded(self) -> None:
+        """Whether some param is a DTensor, decided outside a trace: dynamo sees an FSDP2 param
+        as a plain tensor (``hasattr(p, "to_local")`` is False there)."""
+        self._sharded = any(hasattr(p, "to_local") for g in self.param_groups for p in g["params"])
 
     def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
         """Note [option checks]: a group's options are checked when the group is added and again
@@ -290,6 +296,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._stale = []
         self._lock = threading.Lock()
         self._fresh()
+        self._find_sharded()
         for group in self.param_groups:
             for k in self._option_keys:
                 group.setdefault(k, self.defaults[k])
@@ -683,7 +690,9 @@ class _TrustRatioOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():
-            if self._partitions:  # Note [flat partitions]: rows made per step, run eagerly
+            # rows made per step (Note [flat partitions]) and the local shards of DTensors
+            # (fresh tensor objects at every step, which dynamo cannot give sources) run eagerly
+            if self._partitions or self._sharded:
                 _step_outside_dynamo(self, None)
             else:
                 self._step()

@@ -202,6 +202,31 @@ def scenario_fsdp2(ctx, name: str, backend: str):
                 local_numels=local_numels, state_types=state_types)
 
 
+def scenario_fsdp2_compiled(ctx, backend: str):
+    """torch.compile(opt.step) over DTensor params runs the uncompiled step (one graph break:
+    dynamo cannot give the local shards sources): the same bits, with clipping, bf16 state and
+    an lr changed between steps."""
+    rank = ctx["rank"]
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = fsdp2_model(ctx["mesh"])
+        first = [full(p).detach().clone() for p in model.parameters()]
+        kw = dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, state_precision="bf16",
+                  state_min_numel=0)
+        opt = make_opt("lamb", groups(model, True), kw, backend)
+        step = torch.compile(opt.step) if compiled else opt.step
+        for s in range(3):
+            opt.param_groups[0]["lr"] = 1e-2 * (s + 1)
+            x, y = batch(s)
+            opt.zero_grad()
+            loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+            step()
+        runs.append([full(p).detach().clone() for p in model.parameters()])
+    return dict(equal=all(map(torch.equal, *runs)),
+                moved=not any(map(torch.equal, first, runs[1])))
+
+
 def scenario_fsdp2_low_precision(ctx, kind: str, backend: str):
     """Low-precision state on FSDP2 shards (docs/math.md "Low-precision state"): "8bit" is
     stored as bf16 on these shards (their rows, of 5 to 7 elements, are not whole 8-bit blocks),
@@ -756,6 +781,7 @@ def scenarios(backends: list[str]):
             out.append((f"fsdp2-{be}-{name}", scenario_fsdp2, (name, be)))
         out.append((f"clip_sensitivity-{be}", scenario_clip_sensitivity, (be,)))
         out.append((f"fsdp2_state_dict-{be}", scenario_fsdp2_state_dict, (be,)))
+        out.append((f"fsdp2_compiled-{be}", scenario_fsdp2_compiled, (be,)))
         for kind in ("lamb", "lars"):
             out.append((f"fsdp2_low_precision-{be}-{kind}", scenario_fsdp2_low_precision,
                         (kind, be)))
