@@ -620,7 +620,8 @@ def test_compiled_step_equals_uncompiled_with_scheduled_options(backend, kind, p
     float32 results round apart by an ulp here and there, and a code then and again rounds the
     other way); its 8-bit state is read and written by operators (Note [8-bit operators] in
     fusedopt/lowp.py) and its bf16 rounding is written in the bits, without which the compiled
-    trust ratio belonged to other values than those stored (params 1e-2 apart). The 5000-element
+    trust ratio belonged to other values than those stored (every element moved apart, by up to
+    the whole update). The 5000-element
     param ends in a partial block, and is bf16 (with float32 masters): a group of two param
     dtypes, whose hash of the random bits inductor failed to compile."""
     runs = []
