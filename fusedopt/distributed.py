@@ -363,6 +363,10 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
     must own at least one param with a gradient at every step (the all-reduce is issued by the
     optimizer step of each rank). Not available with ``overlap_with_ddp=True`` (the local optimizer
     is built lazily there).
+
+    It also numbers each rank's params as ZeRO's param groups (those of one process) do, which
+    keys the random bits of low-precision state (docs/math.md, "Random bits"), so that LAMB's
+    ``v`` rounds as in one process; without it each rank numbers its own params from 0.
     """
     inner = getattr(zero_optimizer, "optim", None)
     if inner is None:
@@ -377,6 +381,8 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
             f"the local optimizer is {type(inner).__name__}"
         )
     inner.set_grad_norm_reducer(_ZeroGradSqReducer(zero_optimizer.process_group))
+    inner._set_keys({id(p): i for g in zero_optimizer.param_groups
+                     for i, p in enumerate(g["params"])})
 
 
 # ------------------------------------------------------------------------------ DeepSpeed ZeRO

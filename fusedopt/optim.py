@@ -138,6 +138,7 @@ class _TrustRatioOptimizer(Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self._reducer = None
         self._partitions: dict[int, Any] = {}  # Note [flat partitions]
+        self._keys: dict[int, int] = {}  # id(param) -> its key of the random bits, where given
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
         self.state = OptimizerState(self.state)  # Note [list cache]
@@ -262,7 +263,7 @@ class _TrustRatioOptimizer(Optimizer):
         out = super().__getstate__()
         out["state"] = self.state.plain()
         out["skip_nonfinite"] = self.skip_nonfinite
-        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions"):
+        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys"):
             out.pop(key, None)
         return out
 
@@ -290,6 +291,7 @@ class _TrustRatioOptimizer(Optimizer):
         self.__dict__.setdefault("_reducer", None)
         # kept by load_state_dict (torch's calls this), dropped by pickling (__getstate__)
         self.__dict__.setdefault("_partitions", {})
+        self.__dict__.setdefault("_keys", {})
         if "skipped_steps" not in self.__dict__:
             self.skipped_steps = torch.zeros((), dtype=torch.int64)
         self._pending = None
@@ -439,9 +441,11 @@ class _TrustRatioOptimizer(Optimizer):
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(g) for g in gs] if sharded else gs
         rows = None  # the keys of the random bits, where they are not the rows' indices
-        if group["state_precision"] != "full" and (sharded or ps is not all_ps):
+        if group["state_precision"] != "full" and (sharded or ps is not all_ps or self._keys):
             rows = (range(len(ps)) if ps is all_ps
                     else [i for i, g in enumerate(all_grads) if g is not None])
+            if self._keys:  # params numbered as in the groups they were taken from
+                rows = [self._keys.get(id(p), i) for i, p in zip(rows, ps)]
             rows = list(map(lowp.random_key, rows, ps, lps)) if sharded else rows
         state = self.state
         states = list(map(state.get, ps))
@@ -561,6 +565,13 @@ class _TrustRatioOptimizer(Optimizer):
             row_keys.extend(map(lowp.key_of, map(part.tensor_of.get, part.starts), part.firsts))
         ps, lps, lgs, *columns = out
         return ps, lps, lgs, columns, row_keys if rounded else None
+
+    def _set_keys(self, keys: dict[int, int]) -> None:
+        """Key the random bits of each param of ``keys`` (id -> index) by that index instead of
+        its place in its group: the params of a ZeroRedundancyOptimizer rank, numbered as in
+        the ZeRO optimizer's groups, which hold every rank's params as one process's would."""
+        self._keys = keys
+        self._fresh()
 
     def _set_partitions(self, partitions: dict[int, Any]) -> None:
         """Note [flat partitions]: step the params of ``partitions`` (id -> an object with

@@ -686,6 +686,39 @@ def scenario_zero(ctx, name: str, backend: str, enable: bool = True):
                 total=len(list(model.parameters())), collectives=counts)
 
 
+def scenario_zero_low_precision(ctx, precision: str, backend: str):
+    """ZeroRedundancyOptimizer with low-precision LAMB state == one process: with
+    enable_zero_global_clipping each rank keys its params' random bits as one process does."""
+    import fusedopt
+    from fusedopt.distributed import _ZeroGradSqReducer, enable_zero_global_clipping
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = ctx["rank"]
+    kw = dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, state_precision=precision,
+              state_min_numel=0)
+    out = {}
+    for enable in (True, False):
+        model = DDP(make_model())
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=fusedopt.FusedLAMB,
+                                      backend=backend, **kw)
+        if enable:
+            enable_zero_global_clipping(opt)
+        else:  # the clipping alone, each rank numbering its own params from 0
+            opt.optim.set_grad_norm_reducer(_ZeroGradSqReducer(opt.process_group))
+        for s in range(STEPS):
+            x, y = batch(s)
+            opt.zero_grad()
+            loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+            opt.step()
+        out["err" if enable else "err_local_keys"] = rel_err(list(model.module.parameters()),
+                                                             train_reference("lamb", kw, False,
+                                                                             backend))
+    full = train_reference("lamb", dict(kw, state_precision="full"), False, backend)
+    out["err_vs_full"] = rel_err(train_reference("lamb", kw, False, backend), full)
+    return out
+
+
 def scenario_ddp_accumulate(ctx, backend: str, k: int = 3):
     """DDP with fusedopt.distributed.accumulate: k micro-batches per rank == one big batch; the
     gradient all-reduce runs on the last micro-batch only."""
@@ -795,6 +828,9 @@ def scenarios(backends: list[str]):
         for name in ("lamb", "lamb_clip", "lars"):
             out.append((f"zero-{be}-{name}", scenario_zero, (name, be)))
         out.append((f"zero_unsynced_clip-{be}", scenario_zero, ("lamb_clip", be, False)))
+        for precision in ("bf16", "8bit"):
+            out.append((f"zero_low_precision-{be}-{precision}", scenario_zero_low_precision,
+                        (precision, be)))
         out.append((f"errors-{be}", scenario_errors, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))

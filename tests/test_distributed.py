@@ -246,6 +246,20 @@ def test_zero_clipping_without_enable_is_per_rank(job, backend):
         assert res["err"] > 1e3 * REL
 
 
+@needs_gloo
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_zero_low_precision_state_matches_one_process(job, backend, precision):
+    """enable_zero_global_clipping numbers each rank's params as one process does, so LAMB's
+    random bits, and with them its low-precision v, are those of one process (the trust-ratio
+    sums are whole tensors on each rank; only the clipping total is summed in another order).
+    Numbered from 0 on each rank, the run is about as far from one process as low-precision state
+    is from full state."""
+    for res in results(job, f"zero_low_precision-{backend}-{precision}"):
+        assert res["err"] <= res["err_vs_full"] / 1000, res
+        assert res["err_local_keys"] >= res["err_vs_full"] / 10, res
+
+
 # ---------------------------------------------------------------------------- accumulation
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
