@@ -74,6 +74,14 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def _operator(name: str, fn, fake):
+    """``fn`` as it runs in the eager step: the torch.library operator ``name`` (``fake`` gives
+    its outputs' shapes) under torch.compile, ``fn`` itself otherwise (Note [8-bit operators])."""
+    op = torch.library.custom_op(name, fn, mutates_args=())
+    op.register_fake(fake)
+    return lambda *args: (op if torch.compiler.is_compiling() else fn)(*args)
+
+
 def _hash_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
     t = step.reshape(()).to(torch.int64) & _MASK
     base = _mix(_mix(t ^ _SEED) ^ (key & _MASK))
@@ -81,13 +89,8 @@ def _hash_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
     return _mix(base ^ e)
 
 
-_hash_bits_op = torch.library.custom_op("fusedopt::lowp_random_bits", _hash_bits,
-                                        mutates_args=())
-
-
-@_hash_bits_op.register_fake
-def _(step, key, n):
-    return step.new_empty((n,), dtype=torch.int64)
+_hash_bits_step = _operator("fusedopt::lowp_random_bits", _hash_bits,
+                            lambda step, key, n: step.new_empty((n,), dtype=torch.int64))
 
 
 def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
@@ -97,7 +100,7 @@ def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
     in [0, 2^32). Under torch.compile an operator (Note [8-bit operators]): fused by inductor,
     the hash of the step count failed to compile when a param group held params of two dtypes (a
     C++ XOR of two floats)."""
-    return (_hash_bits_op if torch.compiler.is_compiling() else _hash_bits)(step, key, n)
+    return _hash_bits_step(step, key, n)
 
 
 # ---------------------------------------------------------------------------------- bf16
@@ -212,12 +215,8 @@ def _read8(state: torch.Tensor, n: int, root: bool) -> torch.Tensor:
     return decode_signed(codes.view(torch.int8), scales)
 
 
-_read8_op = torch.library.custom_op("fusedopt::lowp_read8", _read8, mutates_args=())
-
-
-@_read8_op.register_fake
-def _(state, n, root):
-    return state.new_empty((n,), dtype=torch.float32)
+_read8_step = _operator("fusedopt::lowp_read8", _read8,
+                        lambda state, n, root: state.new_empty((n,), dtype=torch.float32))
 
 
 def _write8(x: torch.Tensor, root: bool,
@@ -230,13 +229,9 @@ def _write8(x: torch.Tensor, root: bool,
     return pack(codes, scales), decode_signed(codes, scales).view(x.shape)
 
 
-_write8_op = torch.library.custom_op("fusedopt::lowp_write8", _write8, mutates_args=())
-
-
-@_write8_op.register_fake
-def _(x, root, bits):
-    return (x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8),
-            x.new_empty(x.shape, dtype=torch.float32))
+_write8_step = _operator("fusedopt::lowp_write8", _write8, lambda x, root, bits: (
+    x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8),
+    x.new_empty(x.shape, dtype=torch.float32)))
 
 
 def read(state: torch.Tensor, shape: torch.Size, root: bool = False) -> torch.Tensor:
@@ -248,8 +243,7 @@ def read(state: torch.Tensor, shape: torch.Size, root: bool = False) -> torch.Te
         return state
     if fmt == "bf16":
         return state.to(torch.float32)
-    read8 = _read8_op if torch.compiler.is_compiling() else _read8
-    return read8(state, shape.numel(), root).view(shape)
+    return _read8_step(state, shape.numel(), root).view(shape)
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -273,7 +267,7 @@ def write(fmt: str, x: torch.Tensor, *, root: bool = False,
     if fmt == "bf16":
         held = bf16_grid(x.reshape(-1), bits if root else None).view(x.shape)
         return held.to(torch.bfloat16), torch.sqrt(held) if root else held
-    return (_write8_op if torch.compiler.is_compiling() else _write8)(x, root, bits)
+    return _write8_step(x, root, bits)
 
 
 def convert(state: torch.Tensor, fmt: str, like: torch.Tensor, *, root: bool,

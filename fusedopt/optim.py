@@ -205,17 +205,18 @@ class _TrustRatioOptimizer(Optimizer):
                                  "moments in low precision; float64 params keep full state (put "
                                  "them in a group with state_precision='full')")
         super().add_param_group(param_group)
-        self._find_sharded()
+        self._note_sharded(params)
         _unshare_lrs(self.param_groups)
         if hasattr(self, "_cache"):
             self._fresh()
             for gi, group in enumerate(self.param_groups):
                 self._remember_options(gi, group)
 
-    def _find_sharded(self) -> None:
-        """Whether some param is a DTensor, decided outside a trace: dynamo sees an FSDP2 param
-        as a plain tensor (``hasattr(p, "to_local")`` is False there)."""
-        self._sharded = any(hasattr(p, "to_local") for g in self.param_groups for p in g["params"])
+    def _note_sharded(self, params) -> None:
+        """Whether some param is a DTensor, decided outside a trace (dynamo sees an FSDP2 param
+        as a plain tensor: ``hasattr(p, "to_local")`` is False there), as groups are added."""
+        self._sharded = (self.__dict__.get("_sharded", False)
+                         or any(hasattr(p, "to_local") for p in params))
 
     def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
         """Note [option checks]: a group's options are checked when the group is added and again
@@ -298,7 +299,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._stale = []
         self._lock = threading.Lock()
         self._fresh()
-        self._find_sharded()
+        self._note_sharded(p for g in self.param_groups for p in g["params"])
         for group in self.param_groups:
             for k in self._option_keys:
                 group.setdefault(k, self.defaults[k])

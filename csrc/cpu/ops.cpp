@@ -471,7 +471,7 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __res
     for (int64_t k = 0; k < len; ++k) {
       const int8_t cm = q8_signed_code(mb[k], qm);
       const uint8_t cv = q8_root_code(std::sqrt(vb[k]), qv,
-                                      mix32(base ^ (e0b + static_cast<unsigned int>(k))));
+                                      sr_bits(base, e0b + static_cast<unsigned int>(k)));
       mc[k] = cm;
       vc[k] = cv;
       ub[k] = lamb_direction_s<float>(wf[k], q8_signed_value(cm, fm), q8_root_value(cv, fv), c);

@@ -13,6 +13,7 @@ from . import Backend
 from .. import lowp
 from .._bucket import Bucket, bias_correction
 from .._hyper import LAMB_FIELDS, LARS_FIELDS, LambHyper
+from ..flat import _dense_layout
 
 
 def zero_norm_rule(w_norm: torch.Tensor, other_norm: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -96,9 +97,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     """All elements of ``t`` as a 1-d tensor: a view when ``t`` is dense (any strides)."""
     if t.is_contiguous():
         return t.view(-1)
-    # dense in some order of its dims exactly when, permuted to decreasing strides, it is contiguous
-    q = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return q.view(-1) if q.is_contiguous() else t.reshape(-1)
+    if _dense_layout(t):
+        return t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d))).view(-1)
+    return t.reshape(-1)
 
 
 def _sq(tensors: list[torch.Tensor], dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
