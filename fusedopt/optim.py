@@ -195,7 +195,9 @@ class _TrustRatioOptimizer(Optimizer):
                                  f"in every param group (this group has none)")
         self._check_options(candidate)
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # a list from here on, as torch's add_param_group makes it: a generator read here would
+        # leave torch's none
+        params = param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         h = self._hyper(candidate)
         for dtype in {compute_dtype(_local(p).dtype) for p in params
                       if isinstance(p, torch.Tensor) and p.is_floating_point()}:

@@ -146,6 +146,20 @@ def test_add_param_group_validates_and_steps(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_group_params_given_as_a_generator_are_all_kept(kind):
+    """{"params": model.parameters()} (a generator), in the constructor and in add_param_group,
+    as torch's optimizers take it (they read it into a list; reading it once before them left
+    the group empty)."""
+    m, extra = model(), torch.nn.Linear(3, 2)
+    opt = OPTS[kind]([{"params": m.parameters()}])
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.5})
+    ref = torch.optim.SGD([{"params": model().parameters()}], lr=0.1)
+    assert [len(g["params"]) for g in opt.param_groups] == [len(ref.param_groups[0]["params"]), 2]
+    train(opt, m, 1)
+    assert all(p in opt.state for p in m.parameters())
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_lr_scheduler_drives_the_group_lr(kind):
     m = model()
     opt = OPTS[kind](m.parameters(), weight_decay=0.0)
