@@ -268,7 +268,9 @@ def _check_bucket(kind: str, gi: int, b: Bucket) -> None:
                 raise bad(i, f"state 'exp_avg' ({m.dtype}) and 'exp_avg_sq' ({v.dtype}) must "
                              "share a format (docs/math.md, \"Low-precision state\")")
     for i, p in enumerate(b.params):
-        if not p.is_contiguous() and torch._debug_has_internal_overlap(p) == 1:
+        # torch's has_internal_overlap "yes", in sizes and strides that a trace reads as
+        # constants (torch._debug_has_internal_overlap breaks a torch.compile graph)
+        if any(s == 0 and n > 1 for n, s in zip(p.shape, p.stride())):
             raise bad(i, "its elements overlap in memory (stride 0, e.g. an expand()ed tensor): "
                          "an update cannot be written in place")
 
@@ -407,7 +409,7 @@ def _as_checked(b: Bucket, seen: tuple) -> bool:
 def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
     """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
     step) for any row whose tensors do not share one dense layout, or whose param is not
-    contiguous and has bf16 LAMB state."""
+    contiguous and has 8-bit state or bf16 LAMB state."""
     def pick(xs):  # the group's own list when the bucket is the whole group (Note [kept buckets])
         return None if xs is None else xs if len(idx) == len(g.params) else [xs[i] for i in idx]
 
@@ -434,12 +436,13 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
                          if getattr(b, f) is not None], rows[2:]):
         setattr(b, name, xs)
     for i, p in enumerate(b.params):
-        # a packed 8-bit state (uint8) walks its elements in the param's contiguous order, and
-        # so does LAMB's bf16 v: its random bits follow the elements' indices (docs/math.md,
-        # "Random bits"), which a walk in another order of memory would pair otherwise
+        # a packed 8-bit state (uint8) holds blocks of the param's elements in row-major order,
+        # and LAMB's bf16 v draws its random bits by the row-major index (docs/math.md, "Random
+        # bits"): the kernels, which walk memory, step such a param as a contiguous copy
         shaped = [xs for xs in rows if xs[i].dtype != torch.uint8]
-        rounded = b.exp_avg_sqs is not None and b.exp_avg_sqs[i].dtype == torch.bfloat16
-        if ((p.is_contiguous() or not rounded)
+        ordered = len(shaped) < len(rows) or (b.exp_avg_sqs is not None
+                                              and b.exp_avg_sqs[i].dtype == torch.bfloat16)
+        if ((p.is_contiguous() or not ordered)
                 and all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in shaped)):
             continue
         for j, xs in enumerate(shaped):

@@ -140,6 +140,53 @@ def test_compiled_step_with_bf16_masters_matches_eager(backend, kind):
             torch.testing.assert_close(p, q, rtol=2 ** -7, atol=1e-6)
 
 
+def _conv_model(channels_last: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 8, 3), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(1, 3))
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+@pytest.mark.parametrize("precision", ["full", "8bit"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_channels_last_model_compiles_as_its_contiguous_twin(backend, precision):
+    """A convolutional net in channels_last (LARS's ResNet setting): the compiled step has the
+    graph breaks, graphs and frames of the same net in contiguous memory, and both step as their
+    uncompiled runs do (the overlap check of a non-contiguous param broke the graph at every
+    step, and the step ran eagerly)."""
+    x = torch.randn(8, 16, 5, 5, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for channels_last in (False, True):
+        for compiled in (False, True):
+            model = _conv_model(channels_last)
+            assert all(p.is_contiguous() != (channels_last and p.dim() == 4)
+                       for p in model.parameters())
+            opt = fusedopt.FusedLARS(model.parameters(), lr=torch.tensor(0.1), backend=backend,
+                                     state_precision=precision, state_min_numel=0)
+
+            torch._dynamo.reset()
+            counters.clear()
+            step = torch.compile(opt.step) if compiled else opt.step
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            for _ in range(4):
+                opt.zero_grad()
+                model(x.to(memory_format=torch.channels_last if channels_last
+                           else torch.contiguous_format)).square().sum().backward()
+                step()
+                sched.step()
+            runs[channels_last, compiled] = (
+                [p.detach().clone() for p in model.parameters()],
+                (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                 counters["frames"]["ok"]))
+    assert runs[True, True][1] == runs[False, True][1], dict(counters["graph_break"])
+    for channels_last in (False, True):
+        for p, q in zip(runs[channels_last, True][0], runs[channels_last, False][0]):
+            if backend == "eager":  # foreach ops fused by inductor
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_step_under_grad_scaler_matches_eager(backend, kind, adam_counts):

@@ -110,6 +110,9 @@ BAD_INPUT = [
      r"Invalid lr: an int of 401 digits"),
     ("lr_nan_tensor", lambda a, kw: kw.update(lr=torch.tensor(float("nan"))), ValueError,
      r"Invalid lr: a tensor lr holds nan"),
+    ("packed_state_size", lambda a, kw: a[2].__setitem__(0, torch.zeros(9, dtype=torch.uint8)),
+     RuntimeError, r"param 0 of those with grads \(shape \(5, 3\), torch.float32\): state "
+     r"'(exp_avg|momentum_buffer)' is uint8 but not the packed 8-bit state of this param"),
 ]
 
 
@@ -129,6 +132,19 @@ def test_functional_refuses_bad_input_with_nothing_changed(kind, backend, case):
         fn(*args, backend=backend, **kw)
     after = [t for lst in args for t in lst if isinstance(t, torch.Tensor)]
     assert all(map(torch.equal, before, after))
+
+
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp", "triton")))
+def test_functional_refuses_lamb_moments_of_two_formats(backend):
+    """LAMB's m and v of one param in two formats (bf16 m, float32 v) are refused before any
+    write: the kernels read both in one format."""
+    args, kw = _args("lamb")
+    args[2][1] = args[2][1].bfloat16()
+    before = [t.clone() for lst in args for t in lst]
+    with pytest.raises(RuntimeError, match=r"param 1 of those with grads .*state 'exp_avg' "
+                       r"\(torch.bfloat16\) and 'exp_avg_sq' \(torch.float32\) must share a format"):
+        functional.lamb(*args, backend=backend, **kw)
+    assert all(map(torch.equal, before, [t for lst in args for t in lst]))
 
 
 def test_functional_rejects_bad_options_and_keywords():

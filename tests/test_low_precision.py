@@ -178,31 +178,38 @@ def _moments_of_runs(backend, precision, cuts, keys, steps=3):
     return out
 
 
+@pytest.mark.parametrize("kind,precision", [("lamb", "bf16"), ("lamb", "8bit"), ("lars", "8bit")])
 @pytest.mark.parametrize("backend", backend_params())
-def test_bf16_v_of_a_param_in_another_memory_order_rounds_as_a_contiguous_one(backend):
-    """The random bits of LAMB's bf16 v follow each element's index in its tensor, whatever the
-    param's memory layout (docs/math.md, "Random bits"): a channels_last and a transposed param,
-    their grads of the same strides (as autograd makes them), store the v of contiguous params
-    of the same values bit for bit, on every backend (cpp walked memory, pairing the bits with
-    other elements)."""
+def test_a_param_in_another_memory_order_steps_as_a_contiguous_one(backend, kind, precision):
+    """Low-precision state follows each element's row-major index in its tensor, whatever the
+    param's memory layout: 8-bit blocks hold 256 consecutive elements of that order, and the random
+    bits of LAMB's bf16 v are drawn by it (docs/math.md, "Random bits"). A channels_last and a
+    transposed param (grads of the same strides, as autograd makes them; a bf16 one with master
+    weights) take the state asked for and step as contiguous params of the same values: params
+    and state bit for bit, on every backend (the fused ones walk memory: before, cpp paired the
+    bits of bf16 v with other elements, and 8-bit state fell back to bf16)."""
     gen = torch.Generator().manual_seed(21)
-    values = [torch.randn(32, 16, 3, 3, generator=gen), torch.randn(96, 64, generator=gen)]
-    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(3)]
+    values = [torch.randn(32, 16, 3, 3, generator=gen), torch.randn(96, 64, generator=gen),
+              torch.randn(48, 112, generator=gen).bfloat16()]
+    grads = [[torch.randn(v.shape, generator=gen).to(v.dtype) for v in values] for _ in range(3)]
     runs = []
     for layout in ("contiguous", "strided"):
         params = [torch.nn.Parameter(v.clone()) for v in values]
         if layout == "strided":
             params = [torch.nn.Parameter(values[0].to(memory_format=torch.channels_last)),
-                      torch.nn.Parameter(values[1].t().contiguous().t())]
+                      *(torch.nn.Parameter(v.t().contiguous().t()) for v in values[1:])]
             assert not any(p.is_contiguous() for p in params)
-        opt = _opt("lamb", params, backend, "bf16", state_min_numel=0)
+        opt = _opt(kind, params, backend, precision, state_min_numel=0)
         for gs in grads:
             for p, g in zip(params, gs):
                 p.grad = torch.empty_like(p).copy_(g)
             opt.step()
-        runs.append([opt.state[p]["exp_avg_sq"] for p in params])
-    for a, b in zip(*runs):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+        runs.append([params] + [[opt.state[p][k] for p in params] for k in opt._state_keys])
+    for xs, ys in zip(*runs):
+        for a, b in zip(xs, ys):
+            stored = {"bf16": torch.bfloat16, "8bit": torch.uint8}[precision]
+            assert a.dtype == b.dtype == (a.dtype if a.requires_grad else stored)
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -566,25 +573,49 @@ def test_grad_scaler_inf_step_changes_nothing(backend, precision):
 
 def test_state_formats_follow_the_options():
     ps = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 64), (100,), (64, 64))]
-    nc = torch.nn.Parameter(torch.randn(80, 64).t())  # not contiguous: bf16 for 8-bit
+    nc = torch.nn.Parameter(torch.randn(80, 64).t())  # not contiguous: 8-bit all the same
     opt = fusedopt.FusedLAMB([{"params": ps[:2] + [nc], "state_precision": "8bit"},
                               {"params": ps[2:], "state_precision": "full"}], backend="cpp")
     for p in ps + [nc]:
         p.grad = torch.randn_like(p)
-    with pytest.warns(UserWarning, match=r"1 param\(s\) of a group with state_precision='8bit' "
-                      "keep bf16 state"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         opt.step()
     dt = [opt.state[p]["exp_avg_sq"].dtype for p in ps + [nc]]
-    assert dt == [torch.uint8, torch.float32, torch.float32, torch.bfloat16]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once: when the state is made
-        opt.step()
+    assert dt == [torch.uint8, torch.float32, torch.float32, torch.uint8]
     with pytest.raises(ValueError, match="state_precision"):
         fusedopt.FusedLAMB(ps, state_precision="int4")
     with pytest.raises(ValueError, match="state_min_numel"):
         fusedopt.FusedLARS(ps, lr=0.1, state_min_numel=-1)
     with pytest.raises(ValueError, match="float64"):
         fusedopt.FusedLAMB([torch.nn.Parameter(torch.randn(5000).double())], state_precision="bf16")
+
+
+def test_8bit_state_of_shards_that_are_not_runs_of_blocks_is_bf16_with_a_warning():
+    """A DTensor param whose local shards are not runs of whole 256-element blocks (Shard(1))
+    keeps bf16 state in a group that asks for 8-bit, with one warning when its state is made;
+    Shard(0) rows of whole blocks take 8-bit (a fake process group stands in for 2 ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        ps = [torch.nn.Parameter(DTensor.from_local(torch.randn(8, 512), mesh, [Shard(dim)],
+                                                    run_check=False)) for dim in (0, 1)]
+        opt = fusedopt.FusedLAMB(ps, backend="eager", state_precision="8bit", state_min_numel=0)
+        with pytest.warns(UserWarning, match=r"1 param\(s\) of a group with "
+                          "state_precision='8bit' keep bf16 state: their shards are not runs"):
+            for p in ps:
+                p.grad = torch.ones_like(p)
+            opt.step()
+    finally:
+        dist.destroy_process_group()
+    assert [opt.state[p]["exp_avg_sq"].dtype for p in ps] == [torch.uint8, torch.bfloat16]
 
 
 def test_a_backend_without_the_format_is_refused_or_passed_over():
