@@ -47,6 +47,33 @@ def _dense_layout(t: torch.Tensor) -> bool:
     return True
 
 
+def memory_order(t: torch.Tensor) -> list[int] | None:
+    """The dims of ``t`` by decreasing stride when ``t`` is dense but not contiguous (a
+    channels_last or transposed tensor): ``t.permute(order)`` is contiguous, its row-major order
+    the order of ``t``'s elements in memory. None for a contiguous tensor and for one that is not
+    dense, whose elements are taken in row-major order."""
+    if t.is_contiguous() or not _dense_layout(t):
+        return None
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """All elements of ``t`` as a 1-d tensor in the order of ``memory_order``: a view when ``t``
+    is dense (any strides)."""
+    order = memory_order(t)
+    return t.reshape(-1) if order is None else t.permute(order).view(-1)
+
+
+def memory_to_row_major(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x``, one value per element of ``like`` listed in ``like``'s memory order (1-d), listed
+    in row-major order."""
+    order = memory_order(like)
+    if order is None:
+        return x
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return x.view([like.shape[d] for d in order]).permute(inverse).reshape(-1)
+
+
 def _slot(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     """A view of ``buffer`` from element ``offset`` on with the shape and strides of ``like``
     (a dense layout: contiguous, channels_last, ...), so each param keeps its memory format."""

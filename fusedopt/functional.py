@@ -407,9 +407,9 @@ def _as_checked(b: Bucket, seen: tuple) -> bool:
 
 
 def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
-    """A Bucket of the rows ``idx`` of ``g``, with contiguous stand-ins (written back after the
-    step) for any row whose tensors do not share one dense layout, or whose param is not
-    contiguous and has 8-bit state or bf16 LAMB state."""
+    """A Bucket of the rows ``idx`` of ``g``, with stand-ins (written back after the step) for
+    the tensors of a row that are not laid out as its param, and contiguous ones for every
+    tensor of a row whose param is not dense or has 8-bit state and is not contiguous."""
     def pick(xs):  # the group's own list when the bucket is the whole group (Note [kept buckets])
         return None if xs is None else xs if len(idx) == len(g.params) else [xs[i] for i in idx]
 
@@ -436,20 +436,20 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
                          if getattr(b, f) is not None], rows[2:]):
         setattr(b, name, xs)
     for i, p in enumerate(b.params):
-        # a packed 8-bit state (uint8) holds blocks of the param's elements in row-major order,
-        # and LAMB's bf16 v draws its random bits by the row-major index (docs/math.md, "Random
-        # bits"): the kernels, which walk memory, step such a param as a contiguous copy
+        # the kernels walk each tensor's memory: a row steps copies of the tensors laid out
+        # otherwise than its param, so that the param's memory order is its elements' order
+        # (which draws the random bits of bf16 v: docs/math.md, "Random bits"); contiguous
+        # copies when the param is not dense, or has packed 8-bit state (uint8), whose blocks
+        # hold its elements in row-major order
         shaped = [xs for xs in rows if xs[i].dtype != torch.uint8]
-        ordered = len(shaped) < len(rows) or (b.exp_avg_sqs is not None
-                                              and b.exp_avg_sqs[i].dtype == torch.bfloat16)
-        if ((p.is_contiguous() or not ordered)
-                and all(_dense_layout(x[i]) and x[i].stride() == p.stride() for x in shaped)):
-            continue
+        own = len(shaped) == len(rows) and _dense_layout(p)  # p's own layout, else contiguous
         for j, xs in enumerate(shaped):
-            stand_in = xs[i].contiguous()
+            x = xs[i]
+            if x.stride() == p.stride() if own else x.is_contiguous():
+                continue
+            xs[i] = torch.empty_like(p, dtype=x.dtype).copy_(x) if own else x.contiguous()
             if j != 1:  # grads are only read
-                b.writeback.append((xs[i], stand_in))
-            xs[i] = stand_in
+                b.writeback.append((x, xs[i]))
     return b
 
 

@@ -337,9 +337,10 @@ class _TrustRatioOptimizer(Optimizer):
             kept = sum(self._state_format(group, p) == "bf16" for p in ps)
             if kept:
                 warnings.warn(f"{type(self).__name__}: {kept} param(s) of a group with "
-                              "state_precision='8bit' keep bf16 state: their shards are not "
-                              "runs of whole 256-element blocks (docs/math.md, \"Low-precision "
-                              "state\")")
+                              "state_precision='8bit' keep bf16 state: their elements are not "
+                              "contiguous (a transposed or channels_last param), or their shards "
+                              "are not runs of whole 256-element blocks (docs/math.md, "
+                              "\"Low-precision state\")")
         flat: dict[tuple, list[torch.Tensor]] = {}
         for p in ps:
             if hasattr(p, "to_local") or not p.is_contiguous():
@@ -373,12 +374,15 @@ class _TrustRatioOptimizer(Optimizer):
     def _state_format(group: dict[str, Any], p: torch.Tensor) -> str:
         """The format of the moments of ``p`` (docs/math.md, "Low-precision state"): the group's
         ``state_precision`` for a param of at least ``state_min_numel`` elements (counted over
-        the whole param, also when sharded), else full; a DTensor whose shards are not runs of
-        whole blocks gets bf16 for 8-bit (Note [sharded 8-bit state], lowp.py)."""
+        the whole param, also when sharded), else full; a non-contiguous param gets bf16 for
+        8-bit (the blocks of a packed state hold its elements in row-major order, which the
+        kernels would step through a contiguous copy), and so does a DTensor whose shards are not
+        runs of whole blocks (Note [sharded 8-bit state], lowp.py)."""
         fmt = group["state_precision"]
         if fmt == "full" or p.numel() < group["state_min_numel"]:
             return "full"
-        if fmt == "8bit" and hasattr(p, "to_local") and not lowp.rows_hold_blocks(p):
+        if fmt == "8bit" and (not lowp.rows_hold_blocks(p) if hasattr(p, "to_local")
+                              else not p.is_contiguous()):
             return "bf16"
         return fmt
 

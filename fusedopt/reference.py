@@ -131,7 +131,12 @@ def _store(fmt: str, x: torch.Tensor, *, root: bool, step: int = 0, key: int = 0
     """A moment rounded to its format (values, float64; ``root``: LAMB's v, returned as v)."""
     if fmt == "full":
         return x
-    flat = [_f32(float(v)) for v in x.reshape(-1)]
+    # bf16 v draws its bits by the order of the param's elements in memory (x has the layout of
+    # the param it was made like: its dims by decreasing stride), 8-bit blocks hold them in
+    # row-major order
+    dims = sorted(range(x.dim()), key=lambda d: -x.stride(d)) if fmt == "bf16" else range(x.dim())
+    xm = x.permute(*dims)
+    flat = [_f32(float(v)) for v in xm.reshape(-1)]
     bits = _random_bits(step, key, len(flat)) if root else None
     if fmt == "bf16":
         if root:
@@ -146,7 +151,8 @@ def _store(fmt: str, x: torch.Tensor, *, root: bool, step: int = 0, key: int = 0
                 out += [s * s for s in _quantize_root(blk, bits[lo:lo + _BLOCK])]
             else:
                 out += _quantize_signed(blk)
-    return torch.tensor(out, dtype=torch.float64).view(x.shape)
+    return torch.tensor(out, dtype=torch.float64).view(xm.shape).permute(
+        *sorted(range(x.dim()), key=list(dims).__getitem__))
 
 
 class _Reference:

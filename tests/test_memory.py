@@ -12,8 +12,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):R
 BIG = 1 << 20  # a 4 MiB fp32 param: any parameter-sized temporary would show as >= 4 MiB
 
 
-def _step_allocations(kind, backend, dtype=torch.float32, **kw):
-    params = [torch.nn.Parameter(torch.randn(BIG).to(dtype)), torch.nn.Parameter(torch.randn(7, 3).to(dtype))]
+def _step_allocations(kind, backend, dtype=torch.float32, big=(BIG,), **kw):
+    """The largest allocation inside the second step of a param of ``big`` (a shape, or a
+    tensor) beside a small one; grads made like the params."""
+    big = big if isinstance(big, torch.Tensor) else torch.randn(big)
+    params = [torch.nn.Parameter(big.to(dtype)), torch.nn.Parameter(torch.randn(7, 3).to(dtype))]
     cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
     opt = cls(params, lr=1e-2, backend=backend, max_grad_norm=1.0, **kw)
     for _ in range(2):  # the first step creates the state
@@ -41,6 +44,18 @@ def test_low_precision_state_allocates_only_small_tables(kind, precision):
     """The 8-bit passes hold one block of each moment in float32 at a time (docs/math.md,
     "Low-precision state"): extra memory grows with the blocks in flight, not the tensor size."""
     largest = _step_allocations(kind, "cpp", state_precision=precision)
+    assert largest < 64 * 1024, f"largest allocation inside step(): {largest} bytes"
+
+
+@pytest.mark.parametrize("precision", ["full", "bf16"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_a_channels_last_param_is_stepped_in_its_own_memory(kind, precision):
+    """A channels_last param, its grad of the same strides (as autograd makes it), is walked in
+    its memory order, which also draws bf16 v's random bits (docs/math.md, "Random bits"): no
+    contiguous copy of it (it stepped through copies of the param, grad and state)."""
+    big = torch.randn(64, 256, 8, 8).to(memory_format=torch.channels_last)
+    assert big.numel() == BIG and not big.is_contiguous()
+    largest = _step_allocations(kind, "cpp", big=big, state_precision=precision)
     assert largest < 64 * 1024, f"largest allocation inside step(): {largest} bytes"
 
 

@@ -13,7 +13,7 @@ from . import Backend
 from .. import lowp
 from .._bucket import Bucket, bias_correction
 from .._hyper import LAMB_FIELDS, LARS_FIELDS, LambHyper
-from ..flat import _dense_layout
+from ..flat import in_memory_order, memory_to_row_major
 
 
 def zero_norm_rule(w_norm: torch.Tensor, other_norm: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -93,15 +93,6 @@ def lars_trust_ratio(w_sq: torch.Tensor, g_sq: torch.Tensor, h: _Scalars) -> tor
 _NORM_CHUNK = 1 << 14
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """All elements of ``t`` as a 1-d tensor: a view when ``t`` is dense (any strides)."""
-    if t.is_contiguous():
-        return t.view(-1)
-    if _dense_layout(t):
-        return t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d))).view(-1)
-    return t.reshape(-1)
-
-
 def _sq(tensors: list[torch.Tensor], dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
     """Per-tensor Σx² as ``dtype``, ``[n]`` (Note [chunked norms]). ``cache`` (a bucket's
     workspace) keeps the chunk-to-tensor index on the device between steps: built once, it is no
@@ -112,7 +103,7 @@ def _sq(tensors: list[torch.Tensor], dtype: torch.dtype, cache: dict | None = No
         return torch.stack(torch._foreach_norm(tensors, 2, dtype)).square()
     parts, counts = [], []
     for t in tensors:
-        chunks = _flat(t).split(_NORM_CHUNK) if t.numel() > _NORM_CHUNK else (t,)
+        chunks = in_memory_order(t).split(_NORM_CHUNK) if t.numel() > _NORM_CHUNK else (t,)
         parts.extend(chunks)
         counts.append(len(chunks))
     sq = torch.stack(torch._foreach_norm(parts, 2, dtype)).to(torch.float64).square()
@@ -234,7 +225,9 @@ class EagerBackend(Backend):
             m_store, v_store, m = list(m), list(v), list(m)
             for i, fmt in low:
                 key = i if b.keys is None else int(b.keys[i])
-                bits = lowp.random_bits(t[i], key, v[i].numel())
+                # drawn by the elements' order in the param's memory (docs/math.md)
+                bits = memory_to_row_major(lowp.random_bits(t[i], key, v[i].numel()),
+                                           b.params[i])
                 m_store[i], m[i] = lowp.write(fmt, m[i])
                 v_store[i], den[i] = lowp.write(fmt, v[i], root=True, bits=bits)
         if h.bias_correction:
