@@ -270,7 +270,7 @@ def _check_bucket(kind: str, gi: int, b: Bucket) -> None:
     for i, p in enumerate(b.params):
         # torch's has_internal_overlap "yes", in sizes and strides that a trace reads as
         # constants (torch._debug_has_internal_overlap breaks a torch.compile graph)
-        if any(s == 0 and n > 1 for n, s in zip(p.shape, p.stride())):
+        if not p.is_contiguous() and any(s == 0 and n > 1 for n, s in zip(p.shape, p.stride())):
             raise bad(i, "its elements overlap in memory (stride 0, e.g. an expand()ed tensor): "
                          "an update cannot be written in place")
 
