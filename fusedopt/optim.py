@@ -35,7 +35,7 @@ from ._hyper import (
     validate_lars_group,
 )
 from ._state import OptimizerState
-from .flat import _aligned_offsets
+from .flat import _aligned_offsets, _dense_layout
 from .functional import TensorGroup, check_new_params, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -59,6 +59,16 @@ def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
     shares the storage but, unlike a view, has a version counter of its own."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), offset, shape)
+
+
+def _laid_out_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` (loaded state of the plain param ``p``) in ``p``'s memory layout: the kernels walk a
+    row's tensors in its param's memory, and would step a row of other strides through copies
+    at every step."""
+    if (hasattr(p, "to_local") or t.shape != p.shape or t.stride() == p.stride()
+            or not _dense_layout(p)):
+        return t
+    return torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 
 def check_partition_options(group: dict[str, Any]) -> None:
@@ -812,7 +822,8 @@ class _TrustRatioOptimizer(Optimizer):
                         or not (value.is_floating_point() or value.dtype == torch.uint8)):
                     continue
                 if key == "master_param":
-                    self.state[p][key] = value.to(device=p.device, dtype=compute_dtype(lp.dtype))
+                    self.state[p][key] = _laid_out_like(
+                        value.to(device=p.device, dtype=compute_dtype(lp.dtype)), p)
                 elif key in self._state_keys:
                     value = packed.get((pid, key), value)
                     self.state[p][key] = self._loaded_moment(group, p, key, value, converted)
@@ -838,10 +849,11 @@ class _TrustRatioOptimizer(Optimizer):
             value = value.to(device=p.device)
         have = lowp.format_of(value)
         if have == fmt:
-            return value
+            return _laid_out_like(value, p)
         converted.add((have, fmt))
         if not hasattr(p, "to_local"):
-            return lowp.convert(value, fmt, lp, root=key == "exp_avg_sq", full_dtype=cd)
+            return _laid_out_like(lowp.convert(value, fmt, lp, root=key == "exp_avg_sq",
+                                               full_dtype=cd), p)
         # a DTensor's moments convert shard by shard (8-bit ones are plain local tensors)
         local = lowp.convert(_local(value), fmt, lp, root=key == "exp_avg_sq", full_dtype=cd)
         return local if fmt == "8bit" else lowp.placed(local, p)

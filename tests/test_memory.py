@@ -63,3 +63,33 @@ def test_a_channels_last_param_is_stepped_in_its_own_memory(kind, precision):
 def test_eager_step_does_allocate_parameter_sized_temporaries(kind):
     """The contrast that shows the measurement sees such temporaries when they exist."""
     assert _step_allocations(kind, "eager") >= 4 * BIG
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "full"), (torch.float32, "bf16"),
+                                             (torch.bfloat16, "full")])
+def test_state_loaded_from_another_layout_takes_its_params_layout(dtype, precision):
+    """A checkpoint of a contiguous model loaded into the model made channels_last: the moments
+    (and master weights) take their param's layout when loaded, so the steps after walk memory
+    with no copy (they stepped copies of the state at every step) and continue as the
+    contiguous optimizer does."""
+    values = torch.randn(64, 256, 8, 8).to(dtype)
+    runs = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        p = torch.nn.Parameter(values.clone())
+        opt = fusedopt.FusedLAMB([p], backend="cpp", state_precision=precision)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        saved = opt.state_dict()
+        q = torch.nn.Parameter(p.detach().to(memory_format=layout))
+        opt = fusedopt.FusedLAMB([q], backend="cpp", state_precision=precision)
+        opt.load_state_dict(saved)
+        assert all(t.stride() == q.stride() for k, t in opt.state[q].items() if k != "step")
+        q.grad = torch.full_like(q, 0.5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    profile_memory=True) as prof:
+            opt.step()
+        allocs = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+        assert allocs and max(allocs) < 64 * 1024, f"largest allocation inside step(): {max(allocs)}"
+        runs.append(q.detach().contiguous())
+    if precision == "full":  # bf16 v draws its bits by the memory order
+        assert torch.equal(*runs)
