@@ -155,7 +155,9 @@ class _TrustRatioOptimizer(Optimizer):
         self._pending: tuple[list, list] | None = None  # Note [refused steps]
         self._stale: list = []  # stale masters a traced step found (Note [refused steps])
         self._lock = threading.Lock()
+        self._load = None  # what load_state_dict's pre-hook read, for its post-hook
         self._fresh()
+        self._hook_saved_form()
         for gi, group in enumerate(self.param_groups):  # add_param_group checked them
             self._remember_options(gi, group)
         first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -276,22 +278,29 @@ class _TrustRatioOptimizer(Optimizer):
         out = super().__getstate__()
         out["state"] = self.state.plain()
         out["skip_nonfinite"] = self.skip_nonfinite
-        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys"):
+        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys", "_load"):
             out.pop(key, None)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
+    def _saved_form(self, out: dict[str, Any]) -> dict[str, Any]:
+        """The first of ``state_dict``'s post-hooks, so that the user's see the state dict it
+        returns: 8-bit moments as codes and scales (Note [saved 8-bit state] in lowp.py)."""
         # entries that are not a param's dict (opt.state["global_step"] = 1) saved as torch does
         out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for i, p in enumerate(params):
             st = out["state"].get(i)
             for key in self._state_keys if isinstance(st, dict) else ():
-                t = st.get(key)  # Note [saved 8-bit state] (lowp.py)
+                t = st.get(key)
                 if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
                     st[key], st[key + "_scales"] = lowp.saved_form(t, p)
         return out
+
+    def _hook_saved_form(self) -> None:
+        """Registers ``_saved_form`` (at construction, and after unpickling: torch pickles no
+        hooks)."""
+        if _TrustRatioOptimizer._saved_form not in self._optimizer_state_dict_post_hooks.values():
+            self.register_state_dict_post_hook(_TrustRatioOptimizer._saved_form, prepend=True)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -311,6 +320,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._stale = []
         self._lock = threading.Lock()
         self._fresh()
+        self._hook_saved_form()
         self._note_sharded(p for g in self.param_groups for p in g["params"])
         for group in self.param_groups:
             for k in self._option_keys:
@@ -784,7 +794,22 @@ class _TrustRatioOptimizer(Optimizer):
         group keeps the options of ``_OWN_OPTIONS`` it has (how this process runs and stores the
         step, not what was learned), and moments saved in another format than the group's
         ``state_precision`` gives them are converted (one warning). 8-bit moments are read as
-        saved (codes and scales, Note [saved 8-bit state] in lowp.py), before anything changes."""
+        saved (codes and scales, Note [saved 8-bit state] in lowp.py), before anything changes.
+        torch's hooks see what they see of torch's optimizers: the pre-hooks the state dict given
+        (they may return another, as one that maps params by name does, which is then the one
+        loaded), the post-hooks the state as loaded."""
+        pre = self.register_load_state_dict_pre_hook(_TrustRatioOptimizer._loading)  # the last
+        post = self.register_load_state_dict_post_hook(_TrustRatioOptimizer._loaded, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+            self._load = None
+
+    def _loading(self, state_dict: dict[str, Any]) -> None:
+        """The last pre-hook of ``load_state_dict``: reads what it will need, refusing a state dict
+        before torch's loader changes anything."""
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         params = [(g, p) for g in self.param_groups for p in g["params"]]
         packed = {}  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
@@ -798,7 +823,11 @@ class _TrustRatioOptimizer(Optimizer):
                                   f"{e}") from None
         packed = {k: v for k, v in packed.items() if v is not None}
         own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
-        super().load_state_dict(state_dict)
+        self._load = (state_dict, saved_ids, params, packed, own)
+
+    def _loaded(self) -> None:
+        """The first post-hook of ``load_state_dict``: the state as this optimizer keeps it."""
+        state_dict, saved_ids, params, packed, own = self._load
         _unshare_lrs(self.param_groups)
         self._fresh()  # Note [step cache]; the loaded options are checked at step()
         for g, mine in zip(self.param_groups, own):

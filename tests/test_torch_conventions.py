@@ -158,3 +158,64 @@ def test_lars_lr_may_be_given_per_group_only():
         fusedopt.FusedLARS([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:]}])
     with pytest.raises(ValueError, match="lr is required"):
         fusedopt.FusedLARS(ps)
+
+
+def _state_of(opt, params, keys):
+    return [[opt.state[p][k].clone() for k in keys] for p in params]
+
+
+@pytest.mark.parametrize("precision", ["full", "8bit"])
+def test_state_dict_hooks_see_what_they_see_of_torch_optimizers(precision):
+    """torch's state-dict hooks, beside torch's Adam in the same test: a state_dict post-hook sees
+    the state dict returned (8-bit moments as codes and scales); a load_state_dict pre-hook may
+    return another state dict, which is the one loaded (here one that maps the saved params to
+    this optimizer's in another order, as a loader by names does); a post-hook sees the state
+    as kept (8-bit moments packed). Masters (a bf16 param) and step counts keep this optimizer's
+    rules. Pickling keeps the first behaviour."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = ((64, 80), (5000,), (300,))
+    for name in ("adam", "lamb"):
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        ps[2] = torch.nn.Parameter(ps[2].detach().bfloat16())
+        opt = (torch.optim.Adam(ps, lr=1e-3) if name == "adam" else fusedopt.FusedLAMB(
+            ps, backend="cpp", state_precision=precision, state_min_numel=0))
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+            opt.step()
+        seen = {}
+        opt.register_state_dict_post_hook(lambda o, sd: seen.update(saved=sd["state"][0].keys()))
+        saved = opt.state_dict()
+        assert seen["saved"] == saved["state"][0].keys()
+        if name == "lamb" and precision == "8bit":
+            assert "exp_avg_sq_scales" in seen["saved"]
+        # the same params in another order, the state dict mapped to it by a pre-hook
+        order = [2, 0, 1]
+        qs = [torch.nn.Parameter(ps[i].detach().clone()) for i in order]
+        new = (torch.optim.Adam(qs, lr=1e-3) if name == "adam" else fusedopt.FusedLAMB(
+            qs, backend="cpp", state_precision=precision, state_min_numel=0))
+
+        def remap(o, sd):
+            return {"state": {j: sd["state"][i] for j, i in enumerate(order)},
+                    "param_groups": sd["param_groups"]}
+
+        new.register_load_state_dict_pre_hook(remap)
+        new.register_load_state_dict_post_hook(
+            lambda o: seen.update(loaded={k: (v.dtype, v.dim()) for k, v in o.state[qs[1]].items()}))
+        new.load_state_dict(saved)
+        keys = ("step", "exp_avg", "exp_avg_sq")
+        assert all(torch.equal(a, b) for xs, ys in zip(_state_of(opt, [ps[i] for i in order], keys),
+                                                        _state_of(new, qs, keys))
+                   for a, b in zip(xs, ys))
+        if name == "lamb":
+            assert seen["loaded"]["step"] == (torch.float32, 0)
+            assert seen["loaded"]["exp_avg"][0] == (torch.uint8 if precision == "8bit"
+                                                    else torch.float32)
+            assert "exp_avg_scales" not in seen["loaded"]
+            assert new.state[qs[0]]["master_param"].dtype == torch.float32
+            assert torch.equal(new.state[qs[0]]["master_param"], opt.state[ps[2]]["master_param"])
+            again = copy.deepcopy(new).state_dict()
+            assert again["state"][1].keys() == saved["state"][0].keys()
+        for p in qs:
+            p.grad = torch.ones_like(p)
+        new.step()  # the loaded state fits its params
