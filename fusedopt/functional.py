@@ -408,8 +408,8 @@ def _as_checked(b: Bucket, seen: tuple) -> bool:
 
 def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
     """A Bucket of the rows ``idx`` of ``g``, with stand-ins (written back after the step) for
-    the tensors of a row that are not laid out as its param, and contiguous ones for every
-    tensor of a row whose param is not dense or has 8-bit state and is not contiguous."""
+    the tensors of a row that are not laid out as its param: in the param's layout, or
+    contiguous when the param is not dense or has packed 8-bit state."""
     def pick(xs):  # the group's own list when the bucket is the whole group (Note [kept buckets])
         return None if xs is None else xs if len(idx) == len(g.params) else [xs[i] for i in idx]
 
