@@ -31,6 +31,7 @@ CASES = {
     "200 x 5,000 LAMB, eager, bf16 state": ("lamb", "mid", False, "bf16", "eager"),
     "200 x 5,000 LAMB, eager, 8-bit state": ("lamb", "mid", False, "8bit", "eager"),
     "16 x 256x256x3x3 channels_last LAMB, bf16 state": ("lamb", "conv", False, "bf16", "cpp"),
+    "2000 x 16x16x3x3 channels_last LAMB": ("lamb", "small conv", False, "full", "cpp"),
 }
 
 CHILD = r'''
@@ -58,8 +59,9 @@ def timed(fn, n):
 for name, (kind, shapes_name, flat, precision, backend) in cases.items():
     shapes = {"bert": bert_base_shapes, "small": lambda: [(2500,)] * 4000,
               "tiny": lambda: [(64,)] * 4000, "mid": lambda: [(5000,)] * 200,
-              "conv": lambda: [(256, 256, 3, 3)] * 16}[shapes_name]()
-    layout = torch.channels_last if shapes_name == "conv" else torch.contiguous_format
+              "conv": lambda: [(256, 256, 3, 3)] * 16,
+              "small conv": lambda: [(16, 16, 3, 3)] * 2000}[shapes_name]()
+    layout = torch.channels_last if "conv" in shapes_name else torch.contiguous_format
     params = [torch.nn.Parameter((torch.randn(s) * 0.02).to(memory_format=layout))
               for s in shapes]
     for p in params:

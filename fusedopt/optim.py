@@ -54,11 +54,12 @@ def _same_dtypes(ps: list, dtypes: set) -> bool:
     return 0 not in codes and len(set(codes)) == len(dtypes)
 
 
-def _alias(buffer: torch.Tensor, offset: int, shape) -> torch.Tensor:
-    """A contiguous tensor of ``shape`` on ``buffer``'s storage from element ``offset`` on: it
-    shares the storage but, unlike a view, has a version counter of its own."""
+def _alias(buffer: torch.Tensor, offset: int, shape, stride=None) -> torch.Tensor:
+    """A tensor of ``shape`` (contiguous, or of a dense ``stride``) on ``buffer``'s storage from
+    element ``offset`` on: it shares the storage but, unlike a view, has a version counter of its
+    own."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), offset, shape)
+        buffer.untyped_storage(), offset, shape, *(() if stride is None else (stride,)))
 
 
 def _laid_out_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -340,7 +341,7 @@ class _TrustRatioOptimizer(Optimizer):
     def _init_states(self, group: dict[str, Any], ps: list[torch.Tensor]) -> None:
         """Create the state of ``ps`` (params of ``group`` without state).
 
-        Note [flat state]: the state of the plain contiguous params of one (device, dtype) among
+        Note [flat state]: the state of the plain dense params of one (device, dtype) among
         ``ps`` lives in one buffer per state key: each param's ``exp_avg`` (``exp_avg_sq``,
         ``momentum_buffer``, ``master_param``) lies in its key's buffer, starting on a 64-byte
         boundary, and its ``step`` in one float32 buffer. The fused backends then stream each
@@ -351,7 +352,9 @@ class _TrustRatioOptimizer(Optimizer):
         tensor's version once. ``torch.save`` of the whole state dict writes each buffer once and
         ``torch.load`` restores the sharing; torch.distributed.checkpoint writes each tensor's
         own elements. Saving one state tensor alone writes its whole buffer (as for a view).
-        DTensor shards (sharded training) and non-contiguous params get tensors of their own.
+        Each tensor has its param's strides (a channels_last param's state is channels_last).
+        DTensor shards (sharded training) and params that are not dense (slices with gaps) get
+        tensors of their own.
         """
         if group["state_precision"] == "8bit":
             kept = sum(self._state_format(group, p) == "bf16" for p in ps)
@@ -363,7 +366,7 @@ class _TrustRatioOptimizer(Optimizer):
                               "\"Low-precision state\")")
         flat: dict[tuple, list[torch.Tensor]] = {}
         for p in ps:
-            if hasattr(p, "to_local") or not p.is_contiguous():
+            if hasattr(p, "to_local") or not _dense_layout(p):
                 self._init_state(group, p)
             else:
                 flat.setdefault((p.device, p.dtype, self._state_format(group, p)), []).append(p)
@@ -383,11 +386,12 @@ class _TrustRatioOptimizer(Optimizer):
             for i, (p, offset, size) in enumerate(zip(members, offsets, sizes)):
                 state = self.state[p]
                 state["step"] = _alias(steps, i, ())
-                shape = (size,) if fmt == "8bit" else p.shape
+                # laid out as the param (channels_last, ...): the kernels walk its memory
+                layout = ((size,), None) if fmt == "8bit" else (p.shape, p.stride())
                 for key, buffer in buffers.items():
-                    state[key] = _alias(buffer, offset, shape)
+                    state[key] = _alias(buffer, offset, *layout)
                 if master:
-                    state["master_param"] = _alias(masters, m_offsets[i], p.shape)
+                    state["master_param"] = _alias(masters, m_offsets[i], p.shape, p.stride())
                     state["master_param"].copy_(p.detach())
 
     @staticmethod

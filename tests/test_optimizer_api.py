@@ -195,26 +195,31 @@ def _storage(t):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_lies_in_one_aligned_buffer_per_key(kind):
-    """Note [flat state] in fusedopt/optim.py."""
+    """Note [flat state] in fusedopt/optim.py: dense params of any layout share a buffer per
+    key, each state tensor with its param's strides; a param that is not dense and another
+    dtype get tensors of their own."""
     m = model()
-    transposed = torch.nn.Parameter(torch.randn(4, 3).t())  # non-contiguous: state of its own
+    transposed = torch.nn.Parameter(torch.randn(4, 3).t())  # dense in another order
+    conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    gapped = torch.nn.Parameter(torch.randn(4, 6)[:, ::2])  # not dense: state of its own
     double = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))  # another dtype: other buffers
-    opt = OPTS[kind]([*m.parameters(), transposed, double])
-    train(opt, m, 1)
-    for p in (transposed, double):
+    extra = [transposed, conv, gapped, double]
+    opt = OPTS[kind]([*m.parameters(), *extra])
+    m(torch.randn(8, 6)).square().mean().backward()
+    for p in extra:
         p.grad = torch.ones_like(p)
     opt.step()
-    plain = list(m.parameters())
+    plain = [*m.parameters(), transposed, conv]
     for key in ("step", *STATE_KEYS[kind]):
         ts = [opt.state[p][key] for p in plain]
         assert len({_storage(t) for t in ts}) == 1, key
         spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in ts)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"{key}: tensors overlap"
-        assert all(t._base is None and t.is_contiguous() and t.shape == p.shape
+        assert all(t._base is None and t.stride() == p.stride() and t.shape == p.shape
                    for t, p in zip(ts, plain) if key != "step")
         if key != "step":
             assert all(t.data_ptr() % 64 == 0 for t in ts), key
-        others = {_storage(opt.state[p][key]) for p in (transposed, double)}
+        others = {_storage(opt.state[p][key]) for p in (gapped, double)}
         assert len(others) == 2 and _storage(ts[0]) not in others, key
     # each tensor keeps a version counter of its own
     st0, st1 = opt.state[plain[0]], opt.state[plain[1]]
@@ -256,15 +261,17 @@ def test_saved_state_writes_each_buffer_once_and_loads_shared(kind):
         assert all(torch.equal(st[k], st2[k]) for k in st)
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last],
+                         ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_distributed_checkpoint_writes_each_tensor_once(kind, tmp_path):
+def test_distributed_checkpoint_writes_each_tensor_once(kind, layout, tmp_path):
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    ps = [torch.nn.Parameter(torch.randn(300)) for _ in range(20)]
+    ps = [torch.nn.Parameter(torch.randn(4, 5, 3, 5).to(memory_format=layout)) for _ in range(20)]
     opt = OPTS[kind](ps)
     for p in ps:
-        p.grad = torch.randn(300)
+        p.grad = torch.randn_like(p)
     opt.step()
     state = {f"{i}.{k}": v for i, st in enumerate(opt.state.values()) for k, v in st.items()}
     separate = {k: v.clone() for k, v in state.items()}  # one allocation each: the yardstick
