@@ -48,21 +48,21 @@ class _Scalars:
 
 
 def _added(xs: list[torch.Tensor], ys: list[torch.Tensor], a, inplace: bool = False):
-    """``xs + a·ys`` (in place into ``xs`` when ``inplace``); ``a`` a number or a 0-dim tensor."""
-    if isinstance(a, torch.Tensor):
-        ys = torch._foreach_mul(ys, a)
-        a = 1
+    """``xs + a·ys`` (in place into ``xs`` when ``inplace``); ``a`` a number or a 0-dim tensor.
+    The product is rounded before the sum, as every backend rounds it (docs/math.md): torch's
+    ``add(..., alpha=)`` and ``addcmul`` fuse the two into one rounding on the CPU."""
+    ys = torch._foreach_mul(ys, a)
     if inplace:
-        torch._foreach_add_(xs, ys, alpha=a)
+        torch._foreach_add_(xs, ys)
         return xs
-    return torch._foreach_add(xs, ys, alpha=a)
+    return torch._foreach_add(xs, ys)
 
 
 def lamb_trust_ratio(w_sq: torch.Tensor, u_sq: torch.Tensor, h: _Scalars) -> torch.Tensor:
     """``φ = ‖w‖ / ‖u‖`` (zero-norm rule), clamped to the bounds; 1 when not adapting."""
     if not h.adapt:
         return torch.ones_like(w_sq)
-    w_n, u_n = w_sq.sqrt(), u_sq.sqrt()
+    w_n, u_n = lowp.sqrt_rn(w_sq), lowp.sqrt_rn(u_sq)
     phi = zero_norm_rule(w_n, u_n, w_n / u_n)
     if h.bounded:
         lo, hi = h.ratio_lo, h.ratio_hi
@@ -76,7 +76,7 @@ def lars_trust_ratio(w_sq: torch.Tensor, g_sq: torch.Tensor, h: _Scalars) -> tor
     """``κ‖w‖ / (‖g‖ + λ‖w‖ + eps)`` or ``κ‖w‖ / (‖g + λw‖ + eps)`` with the zero-norm rule."""
     if not h.adapt:
         return torch.ones_like(w_sq)
-    w_n, g_n = w_sq.sqrt(), g_sq.sqrt()
+    w_n, g_n = lowp.sqrt_rn(w_sq), lowp.sqrt_rn(g_sq)
     den = g_n + h.eps if h.combined else g_n + h.weight_decay * w_n + h.eps
     ratio = zero_norm_rule(w_n, g_n, h.trust_coefficient * w_n / den)
     if h.trust_clip:
@@ -213,13 +213,12 @@ class EagerBackend(Backend):
             m_old, v_old = _read(m_old, w, low), _read(v_old, w, low, root=True)
         m = _added(torch._foreach_mul(m_old, h.beta1), g, h.beta3, inplace=True)
         v = torch._foreach_mul(v_old, h.beta2)
-        if torch.compiler.is_compiling():
-            _added(v, torch._foreach_mul(g, g), h.one_minus_beta2, inplace=True)
-        else:
-            torch._foreach_addcmul_(v, g, g, value=h.one_minus_beta2)
+        gg = torch._foreach_mul(g, h.one_minus_beta2)
+        torch._foreach_mul_(gg, g)  # (1 - β2)·g·g in the order of docs/math.md
+        torch._foreach_add_(v, gg)
         # u = (m·r1) / (sqrt(v)·r2 + eps) + λ·w: Note [bias-correction factors] in math.h, from
         # the moments as stored (docs/math.md, "Low-precision state")
-        den = list(torch._foreach_sqrt(v))
+        den = list(map(lowp.sqrt_rn, v))
         m_store, v_store = m, v
         if low:
             m_store, v_store, m = list(m), list(v), list(m)
