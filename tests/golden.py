@@ -5,11 +5,11 @@ triton under Triton's interpreter).
 Why: the layer between ``FusedLAMB.step()`` and the kernels is being rewritten. The rewrite must
 give bit-identical params and optimizer state to the code before it; tests/test_golden.py reruns
 every case below with the current code and compares it, bit for bit, with
-tests/data/golden_990dfdf.pt.
+tests/data/golden_89780ab.pt.
 
-Recorded at commit 990dfdf ("functional: __all__ wrapped") on 2026-11-26 (UTC), torch 2.13.0+cpu,
-triton 3.7.1, 2 intra-op threads, with a checkout of that commit whose extension was built in
-place (BASE: a directory outside the clone; the clone's .venv)::
+First recorded at commit 990dfdf ("functional: __all__ wrapped") on 2026-11-26 (UTC), torch
+2.13.0+cpu, triton 3.7.1, 2 intra-op threads, with a checkout of that commit whose extension was
+built in place (BASE: a directory outside the clone; the clone's .venv)::
 
     git worktree add --detach BASE 990dfdf
     (cd BASE && FUSEDOPT_BUILD_CUDA=0 ../CLONE/.venv/bin/python setup.py build_ext --inplace)
@@ -20,10 +20,17 @@ place (BASE: a directory outside the clone; the clone's .venv)::
 the venv has the clone installed in editable mode, PYTHONPATH comes first.) The recording's
 ``"__meta__"`` entry keeps the commit, fusedopt's path, versions and date it was made with.
 
+Commit 89780ab changed the eager backend's numbers on purpose (every product rounded before its
+sum, correctly rounded square roots: docs/math.md); its eager entries were recorded the same way
+at 89780ab (``--backends eager,cpp``, 2026-11-27), and golden_89780ab.pt is golden_990dfdf.pt
+(in git history) with those eager entries: the cpp recording at 89780ab equals 990dfdf's in
+every case, and 89780ab changed no Triton code (``"__meta__"["note"]`` says so).
+
 Determinism, checked when it was recorded: ``--check-determinism --backends eager,cpp`` (every
 case with ``torch.set_num_threads(1)`` and again with 2 threads, compared bit for bit) found no
 difference, and a second ``--record`` in another process with ``OMP_NUM_THREADS=1`` gave the same
-tensors on all three backends (``--compare A.pt B.pt``).
+tensors on all three backends (``--compare A.pt B.pt``); at 89780ab the eager entries again
+showed no difference between 1 and 2 threads.
 
 Once recorded, the cases must not change (a change needs a new recording under a new name): the
 names, seeds (derived from the case name), shapes and options below are what the recording holds.

@@ -1,6 +1,8 @@
-"""Same numbers as commit 990dfdf: every case of tests/golden.py (100 steps of each LAMB and LARS
-option set) run with the current code must give bit-identical params and optimizer state to the
-recording tests/data/golden_990dfdf.pt (made at 990dfdf; tests/golden.py says how and why).
+"""Same numbers as commit 990dfdf (and, for eager, 89780ab): every case of tests/golden.py (100
+steps of each LAMB and LARS option set) run with the current code must give bit-identical params
+and optimizer state to the recording tests/data/golden_89780ab.pt (cpp and Triton made at
+990dfdf, eager at 89780ab, which made eager round as docs/math.md says; tests/golden.py says how
+and why).
 
 Every case runs on eager and cpp. Triton runs under its interpreter at 50-130 ms a step, so it
 runs the covering subset ``TRITON_CASES`` only (the recording has every case on every backend;
@@ -16,7 +18,7 @@ checked to be identical with 1): with 2 threads, while another process keeps one
 machine's 2 cores busy, the 33001-element cases took 5-17 s each instead of 0.1 s (the OpenMP
 regions wait for a descheduled thread). ``test_same_numbers_two_threads`` runs the cpp case
 that forks an OpenMP region with 2 threads (skipped when fewer than 2 are available; the
-thread-count invariance itself is tests/test_cpp.py's business; 990dfdf's recording has no
+thread-count invariance itself is tests/test_cpp.py's business; the recording has no
 difference between 1 and 2 threads).
 
 A backend that cannot run here is skipped with the reason. An intended change of the numbers
@@ -33,7 +35,7 @@ import golden
 pytestmark = pytest.mark.filterwarnings(
     "ignore:(invalid value|divide by zero) encountered:RuntimeWarning")
 
-RECORDING = os.path.join(os.path.dirname(__file__), "data", "golden_990dfdf.pt")
+RECORDING = os.path.join(os.path.dirname(__file__), "data", "golden_89780ab.pt")
 
 TRITON_CASES = (
     "lamb_mix",  # no bias correction / grad averaging, eps, betas, open bounds, tensor lr, clip,
@@ -93,7 +95,7 @@ def _check(recording, name: str, backend: str) -> None:
     problems = golden.compare(expected, got)
     if problems:
         pytest.fail(f"case {name!r}, backend {backend!r}: {len(problems)} tensor(s) differ from the "
-                    f"recording made at 990dfdf:\n  "
+                    f"recording ({RECORDING}):\n  "
                     + "\n  ".join(f"{name}/{backend}/{p}" for p in problems), pytrace=False)
 
 
