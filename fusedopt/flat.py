@@ -64,6 +64,14 @@ def in_memory_order(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if order is None else t.permute(order).view(-1)
 
 
+def laid_out_as(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` (of ``p``'s shape) with the strides of the dense ``p``: ``t`` itself when it has
+    them, else a copy. The kernels walk a param's tensors in the param's memory order."""
+    if t.stride() == p.stride():
+        return t
+    return torch.empty_like(p, dtype=t.dtype).copy_(t)
+
+
 def memory_to_row_major(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``x``, one value per element of ``like`` listed in ``like``'s memory order (1-d), listed
     in row-major order."""

@@ -39,7 +39,7 @@ from ._hyper import (LAMB_DEFAULTS, LARS_DEFAULTS, LambHyper, LarsHyper, check_b
                      check_maximize,
                      check_representable, encode, lamb_hyper, lars_hyper, validate_lamb_group,
                      validate_lars_group)
-from .flat import _dense_layout
+from .flat import _dense_layout, laid_out_as
 
 __all__ = ["Bucket", "SqSumReducer", "StepCache", "StepOptions", "TensorGroup", "bias_correction",
            "compute_dtype", "lamb", "lars", "sq_norms", "trust_ratio_step"]
@@ -445,10 +445,8 @@ def _bucket(kind: str, gi: int, g: TensorGroup, idx: list[int]) -> Bucket:
         own = len(shaped) == len(rows) and _dense_layout(p)  # p's own layout, else contiguous
         for j, xs in enumerate(shaped):
             x = xs[i]
-            if x.stride() == p.stride() if own else x.is_contiguous():
-                continue
-            xs[i] = torch.empty_like(p, dtype=x.dtype).copy_(x) if own else x.contiguous()
-            if j != 1:  # grads are only read
+            xs[i] = laid_out_as(x, p) if own else x.contiguous()
+            if xs[i] is not x and j != 1:  # grads are only read
                 b.writeback.append((x, xs[i]))
     return b
 

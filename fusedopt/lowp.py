@@ -103,6 +103,16 @@ def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
     return _hash_bits_step(step, key, n)
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root, as every backend takes it (docs/math.md). torch's CPU
+    square root of float32 is within one ulp (MKL's VML), a fifth of its results one ulp from
+    the rounded root; taken in float64 and rounded to float32 it is the rounded root (a square
+    root rounded twice, to 53 bits and then to 24, rounds as once)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        return x.double().sqrt_().float()
+    return x.sqrt()
+
+
 # ---------------------------------------------------------------------------------- bf16
 def _bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     """float32 values of int64 tensors holding their bit patterns in [0, 2^32)."""
@@ -123,16 +133,6 @@ def bf16_grid(v: torch.Tensor, bits: torch.Tensor | None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- 8-bit
-def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded square root, as every backend takes it (docs/math.md). torch's CPU
-    square root of float32 is within one ulp (MKL's VML), a fifth of its results one ulp from
-    the rounded root; taken in float64 and rounded to float32 it is the rounded root (a square
-    root rounded twice, to 53 bits and then to 24, rounds as once)."""
-    if x.dtype == torch.float32 and x.device.type == "cpu":
-        return x.double().sqrt().float()
-    return x.sqrt()
-
-
 def _blocks(x: torch.Tensor) -> torch.Tensor:
     """A flat tensor as ``[n_blocks, BLOCK]`` (the last block padded with zeros)."""
     n = x.numel()
@@ -211,13 +211,12 @@ def decode_sqrt(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # draws the random bits, through three torch.library operators, so that inductor runs them as the
 # eager functions they are instead of fusing them into the step's kernels (uncompiled, the step
 # calls the functions themselves: an operator call costs about as much as a dozen small torch
-# ops, docs/performance.md). Fused, inductor's CPU code computed a per-block
-# value broadcast to the elements (``scales.repeat_interleave(BLOCK)[:n]``, or ``x / amax`` over
-# blocks then flattened to ``n``) over the first block only when ``n`` is not a multiple of
-# BLOCK, leaving the others unwritten, and turned the division by a constant into a
-# multiplication (scales 1 ulp apart): the trust ratio of a compiled eager step then belonged to
-# other values than the ones stored. bf16 state needs no operator: its rounding is written in the
-# integer bits (``bf16_grid``), which inductor keeps.
+# ops, docs/performance.md). Fused, inductor's CPU code computed a per-block value broadcast to
+# the elements (``scales.repeat_interleave(BLOCK)[:n]``, or ``x / amax`` over blocks then
+# flattened to ``n``) over the first block only when ``n`` is not a multiple of BLOCK, leaving
+# the others unwritten: the trust ratio of a compiled eager step then belonged to other values
+# than the ones stored. bf16 state needs no operator: its rounding is written in the integer
+# bits (``bf16_grid``), which inductor keeps.
 def _read8(state: torch.Tensor, n: int, root: bool) -> torch.Tensor:
     scales, codes = split(state, n)
     if root:

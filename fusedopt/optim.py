@@ -35,7 +35,7 @@ from ._hyper import (
     validate_lars_group,
 )
 from ._state import OptimizerState
-from .flat import _aligned_offsets, _dense_layout
+from .flat import _aligned_offsets, _dense_layout, laid_out_as
 from .functional import TensorGroup, check_new_params, trust_ratio_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -63,13 +63,11 @@ def _alias(buffer: torch.Tensor, offset: int, shape, stride=None) -> torch.Tenso
 
 
 def _laid_out_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``t`` (loaded state of the plain param ``p``) in ``p``'s memory layout: the kernels walk a
-    row's tensors in its param's memory, and would step a row of other strides through copies
-    at every step."""
-    if (hasattr(p, "to_local") or t.shape != p.shape or t.stride() == p.stride()
-            or not _dense_layout(p)):
+    """``t`` (loaded state of the plain param ``p``) in ``p``'s memory layout, once: a row of
+    other strides would step through copies at every step (functional._bucket)."""
+    if hasattr(p, "to_local") or t.shape != p.shape or not _dense_layout(p):
         return t
-    return torch.empty_like(p, dtype=t.dtype).copy_(t)
+    return laid_out_as(t, p)
 
 
 def check_partition_options(group: dict[str, Any]) -> None:

@@ -43,6 +43,12 @@ def backend_mark(name):
     return pytest.mark.skipif(why is not None, reason=str(why))
 
 
+def in_memory(t):
+    """A contiguous tensor of ``t``'s elements in the order of ``t``'s memory (its dims by
+    decreasing stride): what docs/math.md's "Random bits" counts as the elements' places."""
+    return t.permute(*sorted(range(t.dim()), key=lambda d: -t.stride(d))).contiguous()
+
+
 def backend_params(names=("eager", "cpp", "triton")):
     """pytest params for backends, each skipped with the reason it cannot run on CPU tensors
     here."""

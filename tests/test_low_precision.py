@@ -12,7 +12,7 @@ import fusedopt
 from fusedopt import lowp
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
 
-from helpers import backend_params
+from helpers import backend_params, in_memory
 
 BACKENDS = ("eager", "cpp")
 PRECISIONS = ("bf16", "8bit")
@@ -192,9 +192,6 @@ def test_a_dense_param_steps_as_the_contiguous_tensor_of_its_memory(backend, kin
               torch.randn(112, 48, generator=gen).bfloat16().t()]
     assert not any(v.is_contiguous() for v in values)
     grads = [[torch.randn(v.shape, generator=gen).to(v.dtype) for v in values] for _ in range(3)]
-
-    def in_memory(t):  # a contiguous tensor of t's elements in the order of t's memory
-        return t.permute(*sorted(range(t.dim()), key=lambda d: -t.stride(d))).contiguous()
 
     runs = []
     for layout in (torch.preserve_format, "memory"):

@@ -10,7 +10,7 @@ import fusedopt
 from fusedopt.testing import max_rel_err, run_backend
 from helpers import LAMB_HYPER_ST as lamb_hyper
 from helpers import LARS_HYPER_ST as lars_hyper
-from helpers import backend_params
+from helpers import backend_params, in_memory
 
 # Triton's interpreter is too slow for many examples; its flags are covered by test_triton.py.
 BACKENDS = backend_params(("eager", "cpp"))
@@ -36,11 +36,6 @@ def test_lars_property(backend, hyper, shapes, seed, nesterov):
     assert max_rel_err(params, ref) <= 1e-10
 
 
-def _in_memory(t):
-    """A contiguous tensor of ``t``'s elements in the order of ``t``'s memory."""
-    return t.permute(*sorted(range(t.dim()), key=lambda d: -t.stride(d))).contiguous()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.lists(st.sampled_from([1, 2, 3, 7, 16]), min_size=2, max_size=4),
@@ -57,12 +52,12 @@ def test_a_param_of_any_dense_layout_steps_as_the_contiguous_tensor_of_its_memor
     grads = [torch.empty_like(values).copy_(torch.randn(shape, generator=gen)) for _ in range(3)]
     out = []
     for twin in (False, True):
-        p = torch.nn.Parameter(_in_memory(values) if twin else values.clone())
+        p = torch.nn.Parameter(in_memory(values) if twin else values.clone())
         opt = fusedopt.FusedLAMB([p], backend=backend, state_precision="bf16", state_min_numel=0)
         for g in grads:
-            p.grad = _in_memory(g) if twin else g.clone()
+            p.grad = in_memory(g) if twin else g.clone()
             opt.step()
-        out.append([_in_memory(t) for t in (p.detach(), opt.state[p]["exp_avg_sq"])])
+        out.append([in_memory(t) for t in (p.detach(), opt.state[p]["exp_avg_sq"])])
     assert torch.equal(out[0][1], out[1][1])
     if backend == "cpp":
         assert torch.equal(out[0][0], out[1][0])
