@@ -799,7 +799,11 @@ class _TrustRatioOptimizer(Optimizer):
         saved (codes and scales, Note [saved 8-bit state] in lowp.py), before anything changes.
         torch's hooks see what they see of torch's optimizers: the pre-hooks the state dict given
         (they may return another, as one that maps params by name does, which is then the one
-        loaded), the post-hooks the state as loaded."""
+        loaded), the post-hooks the state as loaded.
+
+        Checkpoints of the optimizers fusedopt replaces resume (Note [foreign step counts]):
+        apex's ``FusedLAMB`` and timm's ``Lamb`` keep the step count in the param group, torch's
+        ``SGD`` and timm's ``Lars`` keep none."""
         pre = self.register_load_state_dict_pre_hook(_TrustRatioOptimizer._loading)  # the last
         post = self.register_load_state_dict_post_hook(_TrustRatioOptimizer._loaded, prepend=True)
         try:
@@ -824,29 +828,60 @@ class _TrustRatioOptimizer(Optimizer):
                     raise type(e)(f"{type(self).__name__}: param {pid} of the state dict: "
                                   f"{e}") from None
         packed = {k: v for k, v in packed.items() if v is not None}
+        counts = self._foreign_counts(state_dict)
         own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
-        self._load = (state_dict, saved_ids, params, packed, own)
+        self._load = (state_dict, saved_ids, params, packed, counts, own)
+
+    # Note [foreign step counts]: a saved state whose moments have no step count of their own
+    # takes its group's "step" (apex's FusedLAMB and timm's Lamb count there, once per step()).
+    # Without one, a LARS momentum buffer counts 1: a buffer means a step was taken, and LARS
+    # reads the count only to tell the first step (docs/math.md); LAMB's bias correction needs the
+    # count, so such LAMB state is refused. The group's "step" goes once its counts are taken: a
+    # count that no step advances would be wrong in every later checkpoint.
+    def _foreign_counts(self, state_dict: dict[str, Any]) -> dict[Any, Any]:
+        """Saved param id -> the count of its state, for states that have moments but no count
+        (Note [foreign step counts]); raises ValueError for one that cannot be counted."""
+        counts = {}
+        for g in state_dict["param_groups"]:
+            for pid in g["params"]:
+                saved = state_dict["state"].get(pid)
+                if (not isinstance(saved, dict) or saved.get("step") is not None
+                        or all(saved.get(k) is None for k in self._state_keys)):
+                    continue
+                count = g.get("step", 1 if self._kind == "lars" else None)
+                if count is None:
+                    raise ValueError(f"{type(self).__name__}: param {pid} of the state dict has "
+                                     "moments but no step count, neither its own nor its param "
+                                     "group's; LAMB's bias correction needs it")
+                counts[pid] = count
+        return counts
 
     def _loaded(self) -> None:
         """The first post-hook of ``load_state_dict``: the state as this optimizer keeps it."""
-        state_dict, saved_ids, params, packed, own = self._load
+        state_dict, saved_ids, params, packed, counts, own = self._load
         _unshare_lrs(self.param_groups)
         self._fresh()  # Note [step cache]; the loaded options are checked at step()
-        for g, mine in zip(self.param_groups, own):
+        for g, mine, saved_group in zip(self.param_groups, own, state_dict["param_groups"]):
             g.update(mine)
+            if not counts.keys().isdisjoint(saved_group["params"]):
+                g.pop("step", None)  # Note [foreign step counts]
         converted: set[tuple[str, str]] = set()
         for pid, (group, p) in zip(saved_ids, params):
             saved = state_dict["state"].get(pid)
             if saved is None:
                 continue
             lp = _local(p)
+            if pid in counts:
+                saved = {**saved, "step": counts[pid]}
             for key, value in saved.items():
                 if key == "step" and (isinstance(value, (int, float)) and not isinstance(value, bool)
                                       or isinstance(value, torch.Tensor) and value.numel() == 1):
                     # one rule for every backend: a float32 0-dim tensor on the param's device
-                    # (torch's older Python-number format and int64 steps converted)
+                    # (torch's older Python-number format and int64 steps converted; a count
+                    # taken from the group copied)
                     if not (isinstance(value, torch.Tensor) and value.dim() == 0
-                            and value.dtype == torch.float32 and value.device == lp.device):
+                            and value.dtype == torch.float32 and value.device == lp.device
+                            and self.state[p].get(key) is value):
                         self.state[p][key] = torch.as_tensor(value).reshape(()).to(
                             device=lp.device, dtype=torch.float32, copy=True)
                 if (not isinstance(value, torch.Tensor) or key == "step"

@@ -893,6 +893,16 @@ def _foreign_state(source: str) -> Callable[[str, str], Trial]:
     return make
 
 
+def _lamb_state_without_a_count(kind, backend):
+    """LAMB moments saved with no step count, neither their own nor their group's (Note [foreign
+    step counts] in fusedopt/optim.py): refused by ``load_state_dict``."""
+    opt, _ = two_group_optimizer(kind, backend)
+    sd = opt.state_dict()
+    sd["state"] = {i: {k: v for k, v in st.items() if k != "step"} for i, st in sd["state"].items()}
+    fresh, _ = two_group_optimizer(kind, backend)
+    return Trial(lambda: fresh.load_state_dict(sd), [fresh])
+
+
 def _expanded_param(kind, backend):
     """Group 1 holds an expanded (stride-0) tensor: its elements overlap in memory."""
     base = torch.nn.Parameter(torch.randn(3))
@@ -1060,7 +1070,10 @@ BAD_INPUTS = (
              r"backend='cuda'"),
     BadInput("foreign_state_of_sgd", _foreign_state("sgd"), RuntimeError,
              r"param 0 of param group 0 has no state tensor 'step' \(a state dict of another "
-             r"optimizer"),
+             r"optimizer", kinds=("lamb",)),  # LARS resumes torch SGD's momentum
+    BadInput("lamb_state_without_a_count", _lamb_state_without_a_count, ValueError,
+             r"param 0 of the state dict has moments but no step count, neither its own nor its "
+             r"param group's", kinds=("lamb",)),
     BadInput("foreign_state_of_the_other_kind", _foreign_state("other"), RuntimeError,
              r"param 0 of param group 0 has no state tensor '{state}' \(a state dict of "
              r"another optimizer"),

@@ -16,6 +16,8 @@ apex FusedLAMB (``use_nvlamb=True, max_grad_norm=0``) is documented in docs/math
 timm is loaded by :func:`fusedopt.tools.bench.timm_optimizers`, the benchmark's loader of the same
 timm classes it times (its optimizer modules without its model zoo, which needs torchvision).
 """
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -146,3 +148,61 @@ def test_lars_sum_equals_timm_lars(hyper, zero_weight):
     _compare_torch(
         lambda ps: fusedopt.FusedLARS(ps, denominator="sum", lr_in_momentum=False, **hyper),
         lambda ps: _timm(1)(ps, always_adapt=True, **theirs), zero_weight=zero_weight)
+
+
+# ------------------------------------------------------------- resuming their checkpoints
+
+def _apex_form(state_dict):
+    """A state dict as apex's ``FusedLAMB`` saves it: the step count an int in the param group,
+    none in the params' states."""
+    out = copy.deepcopy(state_dict)
+    for g in out["param_groups"]:
+        g["step"] = int(out["state"][g["params"][0]]["step"].item())
+        for pid in g["params"]:
+            del out["state"][pid]["step"]
+    return out
+
+
+@pytest.mark.parametrize("theirs, ours, saved", [
+    (lambda ps: _timm(0)(ps, always_adapt=True, max_grad_norm=None, lr=1e-2, weight_decay=0.01),
+     lambda ps: fusedopt.FusedLAMB(ps, lr=1e-2, weight_decay=0.01), None),
+    (lambda ps: fusedopt.FusedLAMB(ps, lr=1e-2, weight_decay=0.01),
+     lambda ps: fusedopt.FusedLAMB(ps, lr=1e-2, weight_decay=0.01), _apex_form),
+    (lambda ps: _timm(1)(ps, always_adapt=True, lr=0.5, momentum=0.9, weight_decay=1e-2,
+                         trust_coeff=0.001),
+     lambda ps: fusedopt.FusedLARS(ps, denominator="sum", lr_in_momentum=False, lr=0.5,
+                                   momentum=0.9, weight_decay=1e-2, trust_coefficient=0.001),
+     None),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True),
+     lambda ps: fusedopt.FusedLARS(ps, adapt=False, lr_in_momentum=False, lr=0.1, momentum=0.9,
+                                   weight_decay=1e-3, nesterov=True), None),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.8, dampening=0.5),
+     lambda ps: fusedopt.FusedLARS(ps, adapt=False, lr_in_momentum=False, lr=0.1, momentum=0.8,
+                                   dampening=0.5, weight_decay=0.0), None),
+], ids=["timm_Lamb", "apex_FusedLAMB_form", "timm_Lars", "torch_SGD_nesterov",
+        "torch_SGD_dampening"])
+def test_their_checkpoint_resumes_as_their_run_goes_on(theirs, ours, saved):
+    """Note [foreign step counts]: their optimizer steps three times; its state dict, loaded into
+    ours, goes on for three steps as their optimizer does (the rows above make the update the
+    same; the step count comes from the group, or counts 1 for a momentum buffer), and the group's
+    count does not stay behind in ours."""
+    rng = np.random.default_rng(1)
+    a = [torch.nn.Parameter(torch.tensor(rng.standard_normal(s))) for s in SHAPES]
+    opt_a = theirs(a)
+    for _ in range(3):
+        for p, s in zip(a, SHAPES):
+            p.grad = torch.tensor(rng.standard_normal(s))
+        opt_a.step()
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = ours(b)
+    state_dict = copy.deepcopy(opt_a.state_dict())
+    opt_b.load_state_dict(state_dict if saved is None else saved(state_dict))
+    assert all("step" not in g for g in opt_b.state_dict()["param_groups"])
+    for _ in range(3):
+        for p, q, s in zip(a, b, SHAPES):
+            p.grad = torch.tensor(rng.standard_normal(s))
+            q.grad = p.grad.clone()
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(q.detach().numpy(), p.detach().numpy(), rtol=1e-10, atol=1e-14)
