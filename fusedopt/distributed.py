@@ -40,6 +40,13 @@ each tensor's piece lies; the optimizer then steps each piece as a row (Note [fl
 fusedopt/optim.py) and :class:`_PartitionReducer` completes each tensor's sums with one
 all-reduce per step call.
 
+FSDP1
+-----
+``FullyShardedDataParallel(use_orig_params=True)`` hands the optimizer each rank's 1-D piece of
+every param. :func:`enable_fsdp1` registers where each piece lies in its tensor;
+:class:`_PieceReducer` completes each tensor's sums with one all-reduce of a table of every tensor
+per step.
+
 DDP
 ---
 DDP needs nothing from the optimizer (gradients are already averaged). :func:`accumulate` runs
@@ -56,14 +63,15 @@ import torch
 import torch.distributed as dist
 
 from . import backends as _backends
+from . import lowp
 from ._bucket import local as _local
 from .optim import check_partition_options
 
 if TYPE_CHECKING:
     from ._bucket import Bucket
 
-__all__ = ["ShardedNormReducer", "accumulate", "enable_deepspeed_zero", "enable_zero_global_clipping",
-           "reducer_for"]
+__all__ = ["ShardedNormReducer", "accumulate", "enable_deepspeed_zero", "enable_fsdp1",
+           "enable_zero_global_clipping", "reducer_for"]
 
 T = TypeVar("T")
 
@@ -437,18 +445,24 @@ class _PartitionReducer:
             return
         dtype = torch.float64 if any(sums[k].dtype == torch.float64 for k, _, _ in picks) \
             else torch.float32
-        dev = sums[picks[0][0]].device
-        table = torch.zeros(size, 2, dtype=dtype, device=dev)
-        picked = []
-        for k, rows, at in picks:
-            s = sums[k]
-            ix = _const(self._consts, rows, torch.int64, s.device)
-            to = _const(self._consts, at, torch.int64, dev)
-            table.index_copy_(0, to, s.index_select(0, ix).to(dev, dtype))
-            picked.append((s, ix, to))
-        _all_reduce_on(table, None, self._group)
-        for s, ix, to in picked:
-            s.index_copy_(0, ix, table.index_select(0, to).to(s.device, s.dtype))
+        _reduce_table(sums, picks, size, self._group, self._consts, dtype,
+                      sums[picks[0][0]].device)
+
+
+def _reduce_table(sums, picks, size: int, group, consts: dict, dtype, dev) -> None:
+    """Put the rows ``picks`` (bucket index, its rows, their rows in the table) of ``sums`` into
+    a zero table of ``size`` rows, all-reduce it over ``group`` and give each row its total."""
+    table = torch.zeros(size, 2, dtype=dtype, device=dev)
+    picked = []
+    for k, rows, at in picks:
+        s = sums[k]
+        ix = _const(consts, rows, torch.int64, s.device)
+        to = _const(consts, at, torch.int64, dev)
+        table.index_copy_(0, to, s.index_select(0, ix).to(dev, dtype))
+        picked.append((s, ix, to))
+    _all_reduce_on(table, None, group)
+    for s, ix, to in picked:
+        s.index_copy_(0, ix, table.index_select(0, to).to(s.device, s.dtype))
 
 
 def enable_deepspeed_zero(engine) -> None:
@@ -569,6 +583,95 @@ def _register(inner, flats: list, dp_groups: list) -> None:
                            "the group's params into another group")
     inner._set_partitions(partitions)
     inner.set_grad_norm_reducer(_PartitionReducer(partitions, group))
+
+
+# ------------------------------------------------------------------------------ FSDP1
+class _PieceReducer:
+    """Completes the sums of params that are this rank's pieces of their tensors
+    (:func:`enable_fsdp1`): each piece's row goes to its tensor's row of one table with a row
+    for every tensor, the table is all-reduced over the sharding group at every step, and each
+    piece gets its tensor's total. Every element lies on exactly one rank, so the sum counts
+    each once."""
+
+    def __init__(self, rows: dict[int, int], group, device: torch.device):
+        self._rows = rows  # id(param) -> its tensor's row
+        self._group = group
+        self._device = device
+        self._consts: dict[tuple, torch.Tensor] = {}  # see _const
+
+    def reduce_grad_sq(self, total: torch.Tensor) -> None:
+        _all_reduce_on(total, None, self._group)
+
+    def reduce_trust_sums(self, sums: list[torch.Tensor], buckets: list[Bucket]) -> None:
+        picks = []
+        for k, b in enumerate(buckets):
+            sel = [(j, self._rows[id(p)]) for j, p in enumerate(b.params) if id(p) in self._rows]
+            if sel:
+                picks.append((k, [j for j, _ in sel], [r for _, r in sel]))
+        _reduce_table(sums, picks, len(self._rows), self._group, self._consts, torch.float64,
+                      self._device)
+
+
+def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
+    """Make a fusedopt optimizer over the params of a model wrapped in torch's
+    ``FullyShardedDataParallel`` (FSDP1) with ``use_orig_params=True`` compute each trust ratio,
+    and the clipping total, over whole tensors (docs/distributed.md, "FSDP1"). Call it once, on
+    every rank, after wrapping the model and constructing the optimizer.
+
+    FSDP1 hands the optimizer each rank's piece of every param: a 1-D run of its elements (empty
+    where the rank holds none). Stepped as they are, the pieces of one tensor would get a trust
+    ratio each. This reads where each piece lies in its tensor and makes the optimizer complete
+    the per-tensor sums with one all-reduce per step (two with ``max_grad_norm`` or
+    ``skip_nonfinite``) over the sharding group, key each piece's random bits by its tensor's
+    place in its group and its first element (bf16 state rounds as in one process), and give
+    each piece the state format of its whole tensor; 8-bit is stored as bf16 (the blocks would
+    start where the pieces start). Every rank must hold a piece with a gradient at every step
+    (the all-reduce is issued by each rank's step). Raises for ``use_orig_params=False`` (the
+    optimizer then sees flat params of many tensors, and no param groups of its own) and for
+    modules sharded over different process groups.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if not hasattr(optimizer, "_set_keys"):
+        raise TypeError("enable_fsdp1 needs a fusedopt.FusedLAMB or FusedLARS optimizer; got "
+                        f"{type(optimizer).__name__}")
+    where = {id(p): (gi, i) for gi, g in enumerate(optimizer.param_groups)
+             for i, p in enumerate(g["params"])}
+    rows: dict[int, int] = {}
+    keys: dict[int, int] = {}
+    numels: dict[int, int] = {}
+    groups = {}
+    for module in FSDP.fsdp_modules(model):
+        handle = module._handle
+        if handle is None or not handle.uses_sharded_strategy:
+            continue  # no params of its own, or NO_SHARD: whole tensors on every rank
+        if not handle._use_orig_params:
+            raise TypeError("enable_fsdp1 needs FullyShardedDataParallel(use_orig_params=True): "
+                            "with use_orig_params=False the optimizer steps flat params of many "
+                            "tensors, whose trust ratios cannot be per tensor")
+        flat = handle.flat_param
+        groups[id(handle.process_group)] = handle.process_group
+        for p, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
+            if id(p) in where and id(p) not in rows:
+                gi, i = where[id(p)]
+                rows[id(p)] = len(rows)
+                keys[id(p)] = lowp.key_of(i, info.intra_param_start_idx if info.in_shard else 0)
+                numels[id(p)] = shape.numel()
+    if len(groups) > 1:
+        raise RuntimeError("enable_fsdp1: modules sharded over different process groups are not "
+                           "supported")
+    if not rows:
+        return  # nothing sharded
+    group = next(iter(groups.values()))
+    pieces = [p for g in optimizer.param_groups for p in g["params"] if id(p) in rows]
+    device = _comm_device(pieces[0], None)
+    least = torch.tensor([sum(p.numel() > 0 for p in pieces)], dtype=torch.int64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+    if int(least.item()) == 0:
+        raise RuntimeError("enable_fsdp1: some rank holds no piece of the optimizer's params (the "
+                           "model is smaller than the ranks' shards); use fewer ranks")
+    optimizer._set_keys(keys, numels)
+    optimizer.set_grad_norm_reducer(_PieceReducer(rows, group, device))
 
 
 # ------------------------------------------------------------------------------ DDP / FSDP2

@@ -55,10 +55,14 @@ def param_groups(
     keep full-precision moments whatever ``state_precision`` the other groups take: they go into
     groups of their own with ``state_precision="full"``. Params with ``requires_grad=False`` are
     left out. ``group_options`` (e.g. ``lr``, ``state_precision``) go into every group. Empty
-    groups are omitted.
+    groups are omitted. In a model wrapped in FSDP1 (``FullyShardedDataParallel(...,
+    use_orig_params=True)``), whose params are 1-D pieces of their tensors, the predicates see a
+    meta tensor of each param's own shape in its place.
     """
+    shapes = {}
     if isinstance(model_or_named_params, torch.nn.Module):
         named = model_or_named_params.named_parameters()
+        shapes = _fsdp1_shapes(model_or_named_params)
     else:
         named = model_or_named_params
     pred = _as_predicate(exclude)
@@ -67,7 +71,8 @@ def param_groups(
     split: dict[tuple[bool, bool], list[torch.Tensor]] = {}
     for name, p in named:
         if p.requires_grad:
-            split.setdefault((bool(full(name, p)), bool(pred(name, p))), []).append(p)
+            q = torch.empty(shapes[id(p)], device="meta") if id(p) in shapes else p
+            split.setdefault((bool(full(name, q)), bool(pred(name, q))), []).append(p)
     groups = []
     for kept_full, excluded in sorted(split):  # regular, excluded, then their full-state twins
         group = {"params": split[kept_full, excluded], "weight_decay": weight_decay,
@@ -79,3 +84,15 @@ def param_groups(
             group["state_precision"] = "full"
         groups.append(group)
     return groups
+
+
+def _fsdp1_shapes(model: torch.nn.Module) -> dict[int, torch.Size]:
+    """id(param) -> its own shape, for the params of ``model`` that FSDP1 shards into pieces."""
+    if not torch.distributed.is_available():
+        return {}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return {id(p): shape for module in FSDP.fsdp_modules(model)
+            if module._handle is not None and module._handle._use_orig_params
+            for p, shape in zip(module._handle.flat_param._params,
+                                module._handle.flat_param._shapes)}

@@ -148,6 +148,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._reducer = None
         self._partitions: dict[int, Any] = {}  # Note [flat partitions]
         self._keys: dict[int, int] = {}  # id(param) -> its key of the random bits, where given
+        self._numels: dict[int, int] = {}  # id(param) -> its whole tensor's numel, for a piece
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
         self.state = OptimizerState(self.state)  # Note [list cache]
@@ -277,7 +278,8 @@ class _TrustRatioOptimizer(Optimizer):
         out = super().__getstate__()
         out["state"] = self.state.plain()
         out["skip_nonfinite"] = self.skip_nonfinite
-        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys", "_load"):
+        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys", "_numels",
+                    "_load"):
             out.pop(key, None)
         return out
 
@@ -313,6 +315,7 @@ class _TrustRatioOptimizer(Optimizer):
         # kept by load_state_dict (torch's calls this), dropped by pickling (__getstate__)
         self.__dict__.setdefault("_partitions", {})
         self.__dict__.setdefault("_keys", {})
+        self.__dict__.setdefault("_numels", {})
         if "skipped_steps" not in self.__dict__:
             self.skipped_steps = torch.zeros((), dtype=torch.int64)
         self._pending = None
@@ -392,19 +395,20 @@ class _TrustRatioOptimizer(Optimizer):
                     state["master_param"] = _alias(masters, m_offsets[i], p.shape, p.stride())
                     state["master_param"].copy_(p.detach())
 
-    @staticmethod
-    def _state_format(group: dict[str, Any], p: torch.Tensor) -> str:
+    def _state_format(self, group: dict[str, Any], p: torch.Tensor) -> str:
         """The format of the moments of ``p`` (docs/math.md, "Low-precision state"): the group's
         ``state_precision`` for a param of at least ``state_min_numel`` elements (counted over
         the whole param, also when sharded), else full; a non-contiguous param gets bf16 for
         8-bit (the blocks of a packed state hold its elements in row-major order, which the
         kernels would step through a contiguous copy), and so does a DTensor whose shards are not
-        runs of whole blocks (Note [sharded 8-bit state], lowp.py)."""
+        runs of whole blocks (Note [sharded 8-bit state], lowp.py) and a piece of a tensor
+        (``_set_keys``: its blocks would start where the piece starts)."""
         fmt = group["state_precision"]
-        if fmt == "full" or p.numel() < group["state_min_numel"]:
+        whole = self._numels.get(id(p))
+        if fmt == "full" or (p.numel() if whole is None else whole) < group["state_min_numel"]:
             return "full"
-        if fmt == "8bit" and (not lowp.rows_hold_blocks(p) if hasattr(p, "to_local")
-                              else not p.is_contiguous()):
+        if fmt == "8bit" and (whole is not None or (
+                not lowp.rows_hold_blocks(p) if hasattr(p, "to_local") else not p.is_contiguous())):
             return "bf16"
         return fmt
 
@@ -592,11 +596,15 @@ class _TrustRatioOptimizer(Optimizer):
         ps, lps, lgs, *columns = out
         return ps, lps, lgs, columns, row_keys if rounded else None
 
-    def _set_keys(self, keys: dict[int, int]) -> None:
-        """Key the random bits of each param of ``keys`` (id -> index) by that index instead of
-        its place in its group: the params of a ZeroRedundancyOptimizer rank, numbered as in
-        the ZeRO optimizer's groups, which hold every rank's params as one process's would."""
+    def _set_keys(self, keys: dict[int, int], numels: dict[int, int] | None = None) -> None:
+        """Key the random bits of each param of ``keys`` (id -> key, ``lowp.key_of``) by that
+        key instead of its place in its group: the params of a ZeroRedundancyOptimizer rank,
+        numbered as in the ZeRO optimizer's groups, which hold every rank's params as one
+        process's would; FSDP1's pieces of tensors, keyed by their tensor's place and their first
+        element. ``numels``: id -> the numel of the whole tensor of each param that is a piece
+        of one (its state format is the whole tensor's)."""
         self._keys = keys
+        self._numels = numels or {}
         self._fresh()
 
     def _set_partitions(self, partitions: dict[int, Any]) -> None:

@@ -167,6 +167,17 @@ def local_rows(x: torch.Tensor, rank: int) -> torch.Tensor:
     return x[rank * n:(rank + 1) * n]
 
 
+def train_counted(ctx, model, opt) -> list[dict]:
+    """STEPS steps on this rank's rows of the global batch; the collectives of each step()."""
+    counts = []
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, local_rows(x, ctx["rank"]), local_rows(y, ctx["rank"])).backward()
+        counts.append(dict(count_collectives(opt.step)))
+    return counts
+
+
 # ---------------------------------------------------------------------------------- scenarios
 def fsdp2_model(mesh):
     from torch.distributed.fsdp import fully_shard
@@ -182,16 +193,9 @@ def fsdp2_model(mesh):
 def scenario_fsdp2(ctx, name: str, backend: str):
     """FSDP2-sharded training == one process with the same global batch; collectives per step."""
     kind, kw, exclude = OPT_CASES[name]
-    rank = ctx["rank"]
     model = fsdp2_model(ctx["mesh"])
     opt = make_opt(kind, groups(model, exclude), kw, backend)
-    counts = []
-    for s in range(STEPS):
-        x, y = batch(s)
-        opt.zero_grad()
-        loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
-        c = count_collectives(opt.step)
-        counts.append(dict(c))
+    counts = train_counted(ctx, model, opt)
     ref = train_reference(kind, kw, exclude, backend)
     got = [full(p) for p in model.parameters()]
     placements = sorted({str(tuple(p.placements)) for p in model.parameters()})
@@ -668,19 +672,13 @@ def scenario_zero(ctx, name: str, backend: str, enable: bool = True):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     kind, kw, exclude = OPT_CASES[name]
-    rank = ctx["rank"]
     model = DDP(make_model())
     cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, backend=backend, **kw)
     if enable:
         enable_zero_global_clipping(opt)
     owned = len([p for g in opt.optim.param_groups for p in g["params"]])
-    counts = []
-    for s in range(STEPS):
-        x, y = batch(s)
-        opt.zero_grad()
-        loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
-        counts.append(dict(count_collectives(opt.step)))
+    counts = train_counted(ctx, model, opt)
     ref = train_reference(kind, kw, False, backend)
     return dict(err=rel_err([p for p in model.module.parameters()], ref), owned=owned,
                 total=len(list(model.parameters())), collectives=counts)
@@ -717,6 +715,76 @@ def scenario_zero_low_precision(ctx, precision: str, backend: str):
     full = train_reference("lamb", dict(kw, state_precision="full"), False, backend)
     out["err_vs_full"] = rel_err(train_reference("lamb", kw, False, backend), full)
     return out
+
+
+def fsdp1_model():
+    """make_model() in FSDP1, one unit per Linear (pieces of one tensor on both ranks, and
+    units whose flat params the ranks split inside a tensor), params kept as their own."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=True,
+                auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+
+
+def _fsdp1_run(ctx, kind, kw, exclude, backend, enable=True):
+    """Trains fsdp1_model() (groups by fusedopt.param_groups, which sees each piece's own
+    shape); returns the full params and the collectives of each step."""
+    import fusedopt
+    from fusedopt.distributed import enable_fsdp1
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = fsdp1_model()
+    params = (fusedopt.param_groups(model, weight_decay=kw["weight_decay"]) if exclude
+              else list(model.parameters()))
+    opt = make_opt(kind, params, kw, backend)
+    if enable:
+        enable_fsdp1(model, opt)
+    counts = train_counted(ctx, model, opt)
+    with FSDP.summon_full_params(model):
+        return [p.detach().clone() for p in model.parameters()], counts, opt
+
+
+def scenario_fsdp1(ctx, name: str, backend: str):
+    """FSDP1 (use_orig_params=True) with enable_fsdp1 == one process with the same global batch;
+    without it, each rank's pieces of a tensor get trust ratios (and clipping totals) of their
+    own."""
+    kind, kw, exclude = OPT_CASES[name]
+    got, counts, opt = _fsdp1_run(ctx, kind, kw, exclude, backend)
+    ref = train_reference(kind, kw, exclude, backend)
+    unsynced = _fsdp1_run(ctx, kind, kw, exclude, backend, enable=False)[0]
+    return dict(err=rel_err(got, ref), err_without=rel_err(unsynced, ref), collectives=counts,
+                groups=[len(g["params"]) for g in opt.param_groups])
+
+
+def scenario_fsdp1_low_precision(ctx, kind: str, backend: str):
+    """FSDP1 with bf16 state (8-bit asked: the pieces keep bf16) == one process with bf16 state:
+    each piece's random bits are keyed as its elements are in one process, and its format is its
+    whole tensor's (state_min_numel=20 keeps the biases and norms full, as in one process)."""
+    base_kind, base, exclude = OPT_CASES[kind]
+    kw = dict(base, state_precision="8bit", state_min_numel=20)
+    got, _, opt = _fsdp1_run(ctx, base_kind, kw, exclude, backend)
+    bf16 = dict(kw, state_precision="bf16")
+    ref = train_reference(base_kind, bf16, exclude, backend)
+    full = train_reference(base_kind, dict(kw, state_precision="full"), exclude, backend)
+    return dict(err=rel_err(got, ref), err_vs_full=rel_err(ref, full),
+                dtypes=sorted({str(v.dtype) for st in opt.state.values()
+                               for k, v in st.items() if k != "step"}))
+
+
+def scenario_fsdp1_refusals(ctx, backend: str):
+    """use_orig_params=False (flat params of many tensors) is refused, naming the option."""
+    import fusedopt
+    from fusedopt.distributed import enable_fsdp1
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=False)
+    opt = fusedopt.FusedLAMB(model.parameters(), lr=1e-2, backend=backend)
+    try:
+        enable_fsdp1(model, opt)
+    except TypeError as e:
+        return dict(error=str(e))
+    return dict(error=None)
 
 
 def scenario_ddp_accumulate(ctx, backend: str, k: int = 3):
@@ -832,6 +900,12 @@ def scenarios(backends: list[str]):
             out.append((f"zero_low_precision-{be}-{precision}", scenario_zero_low_precision,
                         (precision, be)))
         out.append((f"errors-{be}", scenario_errors, (be,)))
+        for name in OPT_CASES:
+            out.append((f"fsdp1-{be}-{name}", scenario_fsdp1, (name, be)))
+        for kind in ("lamb", "lars"):
+            out.append((f"fsdp1_low_precision-{be}-{kind}", scenario_fsdp1_low_precision,
+                        (kind, be)))
+        out.append((f"fsdp1_refusals-{be}", scenario_fsdp1_refusals, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))
         out.append((f"ddp_flat-{be}", scenario_ddp_flat, (be,)))

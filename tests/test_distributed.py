@@ -17,7 +17,8 @@ import torch.distributed as dist
 import fusedopt
 import dist_utils
 from dist_utils import ALLREDUCE_PER_STEP, BACKENDS, OPT_CASES
-from fusedopt.distributed import accumulate, enable_zero_global_clipping, reducer_for
+from fusedopt.distributed import (accumulate, enable_fsdp1, enable_zero_global_clipping,
+                                  reducer_for)
 
 REL = 1e-5  # the distributed result vs one process, per tensor max|Δ| / max|ref|
 
@@ -260,6 +261,41 @@ def test_zero_low_precision_state_matches_one_process(job, backend, precision):
         assert res["err_local_keys"] >= res["err_vs_full"] / 10, res
 
 
+# ------------------------------------------------------------------------------------ FSDP1
+@needs_gloo
+@pytest.mark.parametrize("case", list(OPT_CASES))
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp1_matches_one_process(job, backend, case):
+    """FSDP1 with use_orig_params=True and enable_fsdp1: the same params as one process (the
+    groups of fusedopt.param_groups as one process makes them), with the all-reduces of FSDP2;
+    without enable_fsdp1 each rank's pieces get trust ratios of their own, far from it."""
+    expected = {"gloo:all_reduce": ALLREDUCE_PER_STEP[case]}
+    for rank, res in enumerate(results(job, f"fsdp1-{backend}-{case}")):
+        assert res["err"] <= REL, f"rank {rank}: rel err {res['err']:.3g}"
+        assert res["err_without"] > 100 * REL, res
+        assert len(res["groups"]) == (2 if OPT_CASES[case][2] else 1), res
+        for step, counts in enumerate(res["collectives"]):
+            assert counts == expected, f"rank {rank}, step {step}: {counts}"
+
+
+@needs_gloo
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp1_low_precision_state_matches_one_process(job, backend, kind):
+    """bf16 state on FSDP1 pieces (8-bit asked) follows one process with bf16 state three
+    orders of magnitude closer than bf16 is to full state."""
+    for res in results(job, f"fsdp1_low_precision-{backend}-{kind}"):
+        assert res["dtypes"] == ["torch.bfloat16", "torch.float32"], res
+        assert res["err"] <= res["err_vs_full"] / 1000, res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp1_flat_params_are_refused(job, backend):
+    for res in results(job, f"fsdp1_refusals-{backend}"):
+        assert res["error"] is not None and "use_orig_params=True" in res["error"], res
+
+
 # ---------------------------------------------------------------------------- accumulation
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
@@ -348,6 +384,17 @@ def test_enable_zero_global_clipping_errors():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(TypeError, match="FusedLAMB or FusedLARS"):
         enable_zero_global_clipping(types.SimpleNamespace(optim=sgd, process_group=None))
+
+
+def test_enable_fsdp1_outside_fsdp():
+    """Another optimizer is refused; a model without FSDP1 units leaves the optimizer as it was
+    (whole tensors: no reducer, no keys)."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="FusedLAMB or FusedLARS"):
+        enable_fsdp1(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = fusedopt.FusedLAMB(model.parameters())
+    enable_fsdp1(model, opt)
+    assert opt._reducer is None and not opt._keys and not opt._numels
 
 
 def test_sharded_row_selection_is_uploaded_once_per_layout(monkeypatch):
