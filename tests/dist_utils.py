@@ -772,6 +772,50 @@ def scenario_fsdp1_low_precision(ctx, kind: str, backend: str):
                                for k, v in st.items() if k != "step"}))
 
 
+def scenario_fsdp1_state_dict(ctx, backend: str):
+    """FSDP1 checkpoints through torch.distributed.checkpoint.state_dict (model and optimizer),
+    taken mid-run, load into a new model and optimizer that continue bit for bit: full state, and
+    bf16 state of every param (FSDP1 gathers the states of a unit in one dtype)."""
+    import fusedopt
+    from fusedopt.distributed import enable_fsdp1
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    rank = ctx["rank"]
+    kind, kw, _ = OPT_CASES["lamb_clip"]
+
+    def make(precision):
+        model = fsdp1_model()
+        opt = make_opt(kind, fusedopt.param_groups(model, weight_decay=kw["weight_decay"]),
+                       dict(kw, state_precision=precision, state_min_numel=0), backend)
+        enable_fsdp1(model, opt)
+        return model, opt
+
+    def train(model, opt, steps):
+        for s in steps:
+            x, y = batch(s)
+            opt.zero_grad()
+            loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+            opt.step()
+        with FSDP.summon_full_params(model):
+            return [p.detach().clone() for p in model.parameters()]
+
+    out = {}
+    for precision in ("full", "bf16"):
+        model, opt = make(precision)
+        train(model, opt, range(2))
+        saved = copy.deepcopy((get_model_state_dict(model), get_optimizer_state_dict(model, opt)))
+        a = train(model, opt, range(2, 4))
+        model, opt = make(precision)
+        set_model_state_dict(model, saved[0])
+        set_optimizer_state_dict(model, opt, saved[1])
+        out[precision] = all(map(torch.equal, a, train(model, opt, range(2, 4))))
+    return out
+
+
 def scenario_fsdp1_refusals(ctx, backend: str):
     """use_orig_params=False (flat params of many tensors) is refused, naming the option."""
     import fusedopt
@@ -905,6 +949,7 @@ def scenarios(backends: list[str]):
         for kind in ("lamb", "lars"):
             out.append((f"fsdp1_low_precision-{be}-{kind}", scenario_fsdp1_low_precision,
                         (kind, be)))
+        out.append((f"fsdp1_state_dict-{be}", scenario_fsdp1_state_dict, (be,)))
         out.append((f"fsdp1_refusals-{be}", scenario_fsdp1_refusals, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))

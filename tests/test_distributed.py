@@ -291,6 +291,13 @@ def test_fsdp1_low_precision_state_matches_one_process(job, backend, kind):
 
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp1_checkpoint_continues_bit_for_bit(job, backend):
+    for res in results(job, f"fsdp1_state_dict-{backend}"):
+        assert res["full"] and res["bf16"], res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_fsdp1_flat_params_are_refused(job, backend):
     for res in results(job, f"fsdp1_refusals-{backend}"):
         assert res["error"] is not None and "use_orig_params=True" in res["error"], res
