@@ -616,7 +616,8 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     """Make a fusedopt optimizer over the params of a model wrapped in torch's
     ``FullyShardedDataParallel`` (FSDP1) with ``use_orig_params=True`` compute each trust ratio,
     and the clipping total, over whole tensors (docs/distributed.md, "FSDP1"). Call it once, on
-    every rank, after wrapping the model and constructing the optimizer.
+    every rank, after wrapping the model and constructing the optimizer (or accelerate's
+    wrapper of it).
 
     FSDP1 hands the optimizer each rank's piece of every param: a 1-D run of its elements (empty
     where the rank holds none). Stepped as they are, the pieces of one tensor would get a trust
@@ -632,6 +633,7 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     if not hasattr(optimizer, "_set_keys"):
         raise TypeError("enable_fsdp1 needs a fusedopt.FusedLAMB or FusedLARS optimizer; got "
                         f"{type(optimizer).__name__}")

@@ -401,7 +401,10 @@ def test_enable_fsdp1_outside_fsdp():
         enable_fsdp1(model, torch.optim.SGD(model.parameters(), lr=0.1))
     opt = fusedopt.FusedLAMB(model.parameters())
     enable_fsdp1(model, opt)
+    enable_fsdp1(model, types.SimpleNamespace(optimizer=opt))  # a wrapper, as accelerate's
     assert opt._reducer is None and not opt._keys and not opt._numels
+    with pytest.raises(TypeError, match="FusedLAMB or FusedLARS"):
+        enable_fsdp1(model, types.SimpleNamespace(optimizer=object()))
 
 
 def test_sharded_row_selection_is_uploaded_once_per_layout(monkeypatch):
