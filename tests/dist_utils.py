@@ -210,25 +210,36 @@ def scenario_fsdp2_compiled(ctx, backend: str):
     """torch.compile(opt.step) over DTensor params runs the uncompiled step (one graph break:
     dynamo cannot give the local shards sources): the same bits, with clipping, bf16 state and
     an lr changed between steps."""
-    rank = ctx["rank"]
+    kw = dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, state_precision="bf16",
+              state_min_numel=0)
+
+    def make():
+        model = fsdp2_model(ctx["mesh"])
+        return model, make_opt("lamb", groups(model, True), kw, backend)
+
+    first = [full(p).detach().clone() for p in make()[0].parameters()]
+    runs = compiled_and_uncompiled(ctx, make, lambda m: [full(p) for p in m.parameters()])
+    return dict(equal=all(map(torch.equal, *runs)),
+                moved=not any(map(torch.equal, first, runs[1])))
+
+
+def compiled_and_uncompiled(ctx, make, params_of) -> list[list[torch.Tensor]]:
+    """The params (``params_of(model)``) after three steps of ``make()``'s model and optimizer,
+    uncompiled and under torch.compile(opt.step), with the first group's lr changed between
+    steps."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
-        model = fsdp2_model(ctx["mesh"])
-        first = [full(p).detach().clone() for p in model.parameters()]
-        kw = dict(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, state_precision="bf16",
-                  state_min_numel=0)
-        opt = make_opt("lamb", groups(model, True), kw, backend)
+        model, opt = make()
         step = torch.compile(opt.step) if compiled else opt.step
         for s in range(3):
             opt.param_groups[0]["lr"] = 1e-2 * (s + 1)
             x, y = batch(s)
             opt.zero_grad()
-            loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+            loss_fn(model, local_rows(x, ctx["rank"]), local_rows(y, ctx["rank"])).backward()
             step()
-        runs.append([full(p).detach().clone() for p in model.parameters()])
-    return dict(equal=all(map(torch.equal, *runs)),
-                moved=not any(map(torch.equal, first, runs[1])))
+        runs.append([p.detach().clone() for p in params_of(model)])
+    return runs
 
 
 def scenario_fsdp2_low_precision(ctx, kind: str, backend: str):
@@ -816,6 +827,28 @@ def scenario_fsdp1_state_dict(ctx, backend: str):
     return out
 
 
+def scenario_fsdp1_compiled(ctx, backend: str):
+    """torch.compile(opt.step) after enable_fsdp1 gives the uncompiled step's bits, with
+    clipping, bf16 state and an lr changed between steps."""
+    import fusedopt
+    from fusedopt.distributed import enable_fsdp1
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def make():
+        model = fsdp1_model()
+        opt = make_opt("lamb", fusedopt.param_groups(model, weight_decay=0.01),
+                       dict(lr=1e-2, max_grad_norm=0.05, state_precision="bf16",
+                            state_min_numel=0), backend)
+        enable_fsdp1(model, opt)
+        return model, opt
+
+    def params_of(model):
+        with FSDP.summon_full_params(model):
+            return [p.detach().clone() for p in model.parameters()]
+
+    return dict(equal=all(map(torch.equal, *compiled_and_uncompiled(ctx, make, params_of))))
+
+
 def scenario_fsdp1_refusals(ctx, backend: str):
     """use_orig_params=False (flat params of many tensors) is refused, naming the option."""
     import fusedopt
@@ -950,6 +983,7 @@ def scenarios(backends: list[str]):
             out.append((f"fsdp1_low_precision-{be}-{kind}", scenario_fsdp1_low_precision,
                         (kind, be)))
         out.append((f"fsdp1_state_dict-{be}", scenario_fsdp1_state_dict, (be,)))
+        out.append((f"fsdp1_compiled-{be}", scenario_fsdp1_compiled, (be,)))
         out.append((f"fsdp1_refusals-{be}", scenario_fsdp1_refusals, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))

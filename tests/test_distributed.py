@@ -298,6 +298,13 @@ def test_fsdp1_checkpoint_continues_bit_for_bit(job, backend):
 
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp1_compiled_step_equals_uncompiled(job, backend):
+    for res in results(job, f"fsdp1_compiled-{backend}"):
+        assert res["equal"], res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_fsdp1_flat_params_are_refused(job, backend):
     for res in results(job, f"fsdp1_refusals-{backend}"):
         assert res["error"] is not None and "use_orig_params=True" in res["error"], res
