@@ -628,8 +628,9 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     each piece the state format of its whole tensor; 8-bit is stored as bf16 (the blocks would
     start where the pieces start). Every rank must hold a piece with a gradient at every step
     (the all-reduce is issued by each rank's step). Raises for ``use_orig_params=False`` (the
-    optimizer then sees flat params of many tensors, and no param groups of its own) and for
-    modules sharded over different process groups.
+    optimizer then sees flat params of many tensors, and no param groups of its own), for
+    modules sharded over different process groups, and for params of the optimizer that FSDP1
+    does not shard beside those it does.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -655,7 +656,7 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
         groups[id(handle.process_group)] = handle.process_group
         for p, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
             if id(p) in where and id(p) not in rows:
-                gi, i = where[id(p)]
+                i = where[id(p)][1]
                 rows[id(p)] = len(rows)
                 keys[id(p)] = lowp.key_of(i, info.intra_param_start_idx if info.in_shard else 0)
                 numels[id(p)] = shape.numel()
@@ -664,6 +665,11 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
                            "supported")
     if not rows:
         return  # nothing sharded
+    if len(rows) < len(where):
+        raise RuntimeError(f"enable_fsdp1: {len(where) - len(rows)} param(s) of the optimizer are "
+                           "not sharded by FSDP1 (ignored modules, NO_SHARD units): every rank "
+                           "would count its copy of their gradients in the clipping total; put "
+                           "them under FSDP1's sharding, or step them with another optimizer")
     group = next(iter(groups.values()))
     pieces = [p for g in optimizer.param_groups for p in g["params"] if id(p) in rows]
     device = _comm_device(pieces[0], None)

@@ -850,18 +850,24 @@ def scenario_fsdp1_compiled(ctx, backend: str):
 
 
 def scenario_fsdp1_refusals(ctx, backend: str):
-    """use_orig_params=False (flat params of many tensors) is refused, naming the option."""
+    """use_orig_params=False (flat params of many tensors) is refused, naming the option, and so
+    are params that FSDP1 leaves whole (an ignored module) beside its pieces."""
     import fusedopt
     from fusedopt.distributed import enable_fsdp1
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    model = FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=False)
-    opt = fusedopt.FusedLAMB(model.parameters(), lr=1e-2, backend=backend)
-    try:
-        enable_fsdp1(model, opt)
-    except TypeError as e:
-        return dict(error=str(e))
-    return dict(error=None)
+    out = {}
+    for case in ("flat", "ignored"):
+        inner = make_model()
+        model = FSDP(inner, device_id=torch.device("cpu"), use_orig_params=case == "ignored",
+                     ignored_modules=[inner[6]] if case == "ignored" else None)
+        opt = fusedopt.FusedLAMB(model.parameters(), lr=1e-2, backend=backend)
+        try:
+            enable_fsdp1(model, opt)
+            out[case] = None
+        except (TypeError, RuntimeError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def scenario_ddp_accumulate(ctx, backend: str, k: int = 3):

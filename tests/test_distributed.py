@@ -305,9 +305,11 @@ def test_fsdp1_compiled_step_equals_uncompiled(job, backend):
 
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
-def test_fsdp1_flat_params_are_refused(job, backend):
+def test_fsdp1_refusals(job, backend):
     for res in results(job, f"fsdp1_refusals-{backend}"):
-        assert res["error"] is not None and "use_orig_params=True" in res["error"], res
+        assert res["flat"] is not None and "use_orig_params=True" in res["flat"], res
+        assert res["ignored"] is not None and "2 param(s) of the optimizer are not sharded" \
+            in res["ignored"], res
 
 
 # ---------------------------------------------------------------------------- accumulation
