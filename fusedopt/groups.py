@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
@@ -87,12 +88,12 @@ def param_groups(
 
 
 def _fsdp1_shapes(model: torch.nn.Module) -> dict[int, torch.Size]:
-    """id(param) -> its own shape, for the params of ``model`` that FSDP1 shards into pieces."""
-    if not torch.distributed.is_available():
+    """id(param) -> its own shape, for the params of ``model`` that FSDP1 shards into pieces
+    (none unless FSDP was imported: a model wrapped in it was made by its module)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
         return {}
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return {id(p): shape for module in FSDP.fsdp_modules(model)
+    return {id(p): shape for module in fsdp.FullyShardedDataParallel.fsdp_modules(model)
             if module._handle is not None and module._handle._use_orig_params
             for p, shape in zip(module._handle.flat_param._params,
                                 module._handle.flat_param._shapes)}
