@@ -627,7 +627,8 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     place in its group and its first element (bf16 state rounds as in one process), and give
     each piece the state format of its whole tensor; 8-bit is stored as bf16 (the blocks would
     start where the pieces start). Every rank must hold a piece with a gradient at every step
-    (the all-reduce is issued by each rank's step). Raises for ``use_orig_params=False`` (the
+    (the all-reduce is issued by each rank's step). Call it again after ``add_param_group`` (a
+    step refuses params it has not registered). Raises for ``use_orig_params=False`` (the
     optimizer then sees flat params of many tensors, and no param groups of its own), for
     modules sharded over different process groups, and for params of the optimizer that FSDP1
     does not shard beside those it does.

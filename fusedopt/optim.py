@@ -467,6 +467,10 @@ class _TrustRatioOptimizer(Optimizer):
             gs = [g for g in all_grads if g is not None]
         else:
             ps, gs = all_ps, all_grads
+        if self._numels and not self._numels.keys() >= set(map(id, ps)):
+            raise RuntimeError(f"{type(self).__name__}: param group {gi} holds params that "
+                               "enable_fsdp1 did not register (added after it?): call "
+                               "fusedopt.distributed.enable_fsdp1(model, optimizer) again")
         sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(g) for g in gs] if sharded else gs

@@ -849,6 +849,40 @@ def scenario_fsdp1_compiled(ctx, backend: str):
     return dict(equal=all(map(torch.equal, *compiled_and_uncompiled(ctx, make, params_of))))
 
 
+def scenario_fsdp1_added_group(ctx, backend: str):
+    """A param group added after enable_fsdp1 is refused at the next step, which changes
+    nothing; enable_fsdp1 called again registers it, and the run equals one process's with the
+    two groups."""
+    import fusedopt
+    from fusedopt.distributed import enable_fsdp1
+    from fusedopt.testing import changed, snapshot
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    rank = ctx["rank"]
+    kind, kw, _ = OPT_CASES["lamb_clip"]
+    model = fsdp1_model()
+    split = fusedopt.param_groups(model, weight_decay=kw["weight_decay"])
+    opt = make_opt(kind, [split[0]], kw, backend)
+    enable_fsdp1(model, opt)
+    opt.add_param_group(split[1])
+    x, y = batch(0)
+    loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+    before = snapshot([opt])
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    unchanged = not changed(before, snapshot([opt]))
+    enable_fsdp1(model, opt)
+    opt.zero_grad()
+    train_counted(ctx, model, opt)
+    with FSDP.summon_full_params(model):
+        got = [p.detach().clone() for p in model.parameters()]
+    return dict(error=error, unchanged=unchanged,
+                err=rel_err(got, train_reference(kind, kw, True, backend)))
+
+
 def scenario_fsdp1_refusals(ctx, backend: str):
     """use_orig_params=False (flat params of many tensors) is refused, naming the option, and so
     are params that FSDP1 leaves whole (an ignored module) beside its pieces."""
@@ -990,6 +1024,7 @@ def scenarios(backends: list[str]):
                         (kind, be)))
         out.append((f"fsdp1_state_dict-{be}", scenario_fsdp1_state_dict, (be,)))
         out.append((f"fsdp1_compiled-{be}", scenario_fsdp1_compiled, (be,)))
+        out.append((f"fsdp1_added_group-{be}", scenario_fsdp1_added_group, (be,)))
         out.append((f"fsdp1_refusals-{be}", scenario_fsdp1_refusals, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))

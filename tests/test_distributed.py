@@ -305,6 +305,15 @@ def test_fsdp1_compiled_step_equals_uncompiled(job, backend):
 
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp1_param_group_added_after_enable(job, backend):
+    for res in results(job, f"fsdp1_added_group-{backend}"):
+        assert res["error"] is not None and "enable_fsdp1 did not register" in res["error"], res
+        assert res["unchanged"], res
+        assert res["err"] <= REL, res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_fsdp1_refusals(job, backend):
     for res in results(job, f"fsdp1_refusals-{backend}"):
         assert res["flat"] is not None and "use_orig_params=True" in res["flat"], res
