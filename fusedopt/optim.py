@@ -472,6 +472,11 @@ class _TrustRatioOptimizer(Optimizer):
                                "enable_fsdp1 did not register (added after it?): call "
                                "fusedopt.distributed.enable_fsdp1(model, optimizer) again")
         sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
+        if sharded and bases is not None and not self._sharded:
+            self._sharded = True  # from the next step on they run eagerly (step())
+            raise RuntimeError(f"{type(self).__name__}: param group {gi} holds DTensor params put "
+                               "into its list in place, which a traced step cannot take (steps "
+                               "run eagerly from now on); add them with add_param_group")
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(g) for g in gs] if sharded else gs
         rows = None  # the keys of the random bits, where they are not the rows' indices

@@ -587,3 +587,41 @@ def test_compiled_step_equals_uncompiled_for_drawn_option_schedules(kind, schedu
             step()
         runs.append([p.detach().clone() for p in model.parameters()] + _state(opt))
     assert all(map(torch.equal, *runs))
+
+
+def test_dtensor_params_put_into_a_group_in_place_step_as_uncompiled():
+    """A DTensor param appended to a group's list in place (not by add_param_group, which marks
+    the optimizer as sharded) between compiled steps: the trace finds it, the step runs eagerly
+    (local shards are made per step, which a graph cannot take as inputs), and every step gives
+    the uncompiled step's bits (a fake process group of one rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def run(compiled):
+            torch._dynamo.reset()
+            gen = torch.Generator().manual_seed(0)
+            plain = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
+            dt = torch.nn.Parameter(DTensor.from_local(torch.randn(6, 2, generator=gen), mesh,
+                                                       [Shard(0)], run_check=False))
+            opt = fusedopt.FusedLAMB([plain], lr=0.1, backend="cpp")
+            step = torch.compile(opt.step) if compiled else opt.step
+            for s in range(3):
+                plain.grad = torch.randn(4, 3, generator=gen)
+                dt.grad = DTensor.from_local(torch.randn(6, 2, generator=gen), mesh, [Shard(0)],
+                                             run_check=False)
+                if s == 1:
+                    opt.param_groups[0]["params"].append(dt)
+                step()
+            return [plain.detach().clone(), dt.to_local().detach().clone()]
+
+        assert all(map(torch.equal, run(False), run(True)))
+    finally:
+        dist.destroy_process_group()
