@@ -668,9 +668,10 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
         return  # nothing sharded
     if len(rows) < len(where):
         raise RuntimeError(f"enable_fsdp1: {len(where) - len(rows)} param(s) of the optimizer are "
-                           "not sharded by FSDP1 (ignored modules, NO_SHARD units): every rank "
-                           "would count its copy of their gradients in the clipping total; put "
-                           "them under FSDP1's sharding, or step them with another optimizer")
+                           "not sharded by FSDP1 (ignored modules, NO_SHARD units; pass the "
+                           "FSDP-wrapped model): every rank would count its copy of their "
+                           "gradients in the clipping total; put them under FSDP1's sharding, or "
+                           "step them with another optimizer")
     group = next(iter(groups.values()))
     pieces = [p for g in optimizer.param_groups for p in g["params"] if id(p) in rows]
     device = _comm_device(pieces[0], None)
