@@ -217,7 +217,7 @@ def scenario_fsdp2_compiled(ctx, backend: str):
         model = fsdp2_model(ctx["mesh"])
         return model, make_opt("lamb", groups(model, True), kw, backend)
 
-    first = [full(p).detach().clone() for p in make()[0].parameters()]
+    first = list(make_model().parameters())  # the same values, unsharded
     runs = compiled_and_uncompiled(ctx, make, lambda m: [full(p) for p in m.parameters()])
     return dict(equal=all(map(torch.equal, *runs)),
                 moved=not any(map(torch.equal, first, runs[1])))
