@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import socket
 import subprocess
@@ -883,6 +884,71 @@ def scenario_fsdp1_added_group(ctx, backend: str):
                 err=rel_err(got, train_reference(kind, kw, True, backend)))
 
 
+def scenario_fsdp1_scaler_skip_accumulate(ctx, backend: str):
+    """FSDP1 with enable_fsdp1 beside torch's tools: ShardedGradScaler (a power-of-two scale)
+    gives the unscaled run's bits; an inf in one rank's grads makes skip_nonfinite skip the step
+    on every rank (the total is all-reduced); accumulate() over two micro-batches (no_sync on
+    the first) equals one process."""
+    import fusedopt
+    from fusedopt.distributed import accumulate, enable_fsdp1
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    rank = ctx["rank"]
+    kind, kw, _ = OPT_CASES["lamb_clip"]
+
+    def make(**extra):
+        model = fsdp1_model()
+        opt = make_opt(kind, fusedopt.param_groups(model, weight_decay=kw["weight_decay"]),
+                       kw, backend)
+        for k, v in extra.items():
+            setattr(opt, k, v)
+        enable_fsdp1(model, opt)
+        return model, opt
+
+    def full_params(model):
+        with FSDP.summon_full_params(model):
+            return [p.detach().clone() for p in model.parameters()]
+
+    runs = []
+    for scaler in (None, ShardedGradScaler(device="cpu", init_scale=1024.0)):
+        model, opt = make()
+        for s in range(3):
+            x, y = batch(s)
+            opt.zero_grad()
+            loss = loss_fn(model, local_rows(x, rank), local_rows(y, rank))
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        runs.append(full_params(model))
+
+    model, opt = make(skip_nonfinite=True)
+    x, y = batch(0)
+    loss_fn(model, local_rows(x, rank), local_rows(y, rank)).backward()
+    if rank == 1:
+        next(p for p in model.parameters() if p.grad is not None and p.numel()).grad[0] = math.inf
+    before = full_params(model)
+    opt.step()
+    skipped = int(opt.skipped_steps.item()) == 1 and all(map(torch.equal, before,
+                                                             full_params(model)))
+
+    model, opt = make()
+    for s in range(STEPS):
+        x, y = batch(s)
+        xs, ys = local_rows(x, rank), local_rows(y, rank)
+        opt.zero_grad()
+        for xm, ym in accumulate(model, [(xs[:2], ys[:2]), (xs[2:], ys[2:])]):
+            (loss_fn(model, xm, ym) / 2).backward()
+        opt.step()
+    return dict(scaler_equal=all(map(torch.equal, *runs)), skipped=skipped,
+                accumulate_err=rel_err(full_params(model), train_reference(kind, kw, True,
+                                                                           backend)))
+
+
 def scenario_fsdp1_refusals(ctx, backend: str):
     """use_orig_params=False (flat params of many tensors) is refused, naming the option, and so
     are params that FSDP1 leaves whole (an ignored module) beside its pieces."""
@@ -1025,6 +1091,8 @@ def scenarios(backends: list[str]):
         out.append((f"fsdp1_state_dict-{be}", scenario_fsdp1_state_dict, (be,)))
         out.append((f"fsdp1_compiled-{be}", scenario_fsdp1_compiled, (be,)))
         out.append((f"fsdp1_added_group-{be}", scenario_fsdp1_added_group, (be,)))
+        out.append((f"fsdp1_scaler_skip_accumulate-{be}", scenario_fsdp1_scaler_skip_accumulate,
+                    (be,)))
         out.append((f"fsdp1_refusals-{be}", scenario_fsdp1_refusals, (be,)))
         out.append((f"ddp_accumulate-{be}", scenario_ddp_accumulate, (be,)))
         out.append((f"fsdp2_accumulate-{be}", scenario_fsdp2_accumulate, (be,)))

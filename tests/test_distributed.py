@@ -314,6 +314,14 @@ def test_fsdp1_param_group_added_after_enable(job, backend):
 
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_fsdp1_with_sharded_grad_scaler_skips_and_accumulation(job, backend):
+    for res in results(job, f"fsdp1_scaler_skip_accumulate-{backend}"):
+        assert res["scaler_equal"] and res["skipped"], res
+        assert res["accumulate_err"] <= REL, res
+
+
+@needs_gloo
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_fsdp1_refusals(job, backend):
     for res in results(job, f"fsdp1_refusals-{backend}"):
         assert res["flat"] is not None and "use_orig_params=True" in res["flat"], res
