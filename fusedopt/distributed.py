@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
 
@@ -409,20 +410,47 @@ class _Partition:
     step: torch.Tensor | None = None
 
 
-class _PartitionReducer:
-    """Completes the sums of pieces of flat partitions (:func:`enable_deepspeed_zero`): each
-    piece's row is put at its tensor's row of one table per step (zeros elsewhere), the table is
-    all-reduced over the data-parallel group, and each piece's row gets its tensor's total. A
-    tensor lies on each rank in at most one piece, and every element on exactly one rank, so
-    the sum counts each once."""
+class _TableReducer:
+    """Completes per-tensor sums held in pieces on several ranks: each piece's row is put at its
+    tensor's row of one table per step (zeros elsewhere), the table is all-reduced over
+    ``group``, and each piece's row gets its tensor's total. Every element lies on exactly one
+    rank, so the sum counts each once; the clipping total is all-reduced as it is."""
 
-    def __init__(self, partitions: dict[int, _Partition], group):
-        self._partitions = partitions
+    def __init__(self, group):
         self._group = group
         self._consts: dict[tuple, torch.Tensor] = {}  # see _const
 
     def reduce_grad_sq(self, total: torch.Tensor) -> None:
         _all_reduce_on(total, None, self._group)
+
+    def _reduce(self, sums, picks, size: int, dtype, dev) -> None:
+        """``picks``: (bucket index, the rows of its pieces or None for all, their rows in the
+        table) for ``sums``; the table has ``size`` rows."""
+        table = torch.zeros(size, 2, dtype=dtype, device=dev)
+        picked = []
+        for k, rows, at in picks:
+            s = sums[k]
+            ix = None if rows is None else _const(self._consts, rows, torch.int64, s.device)
+            to = _const(self._consts, at, torch.int64, dev)
+            table.index_copy_(0, to, (s if ix is None else s.index_select(0, ix)).to(dev, dtype))
+            picked.append((s, ix, to))
+        _all_reduce_on(table, None, self._group)
+        for s, ix, to in picked:
+            totals = table.index_select(0, to).to(s.device, s.dtype)
+            if ix is None:
+                s.copy_(totals)
+            else:
+                s.index_copy_(0, ix, totals)
+
+
+class _PartitionReducer(_TableReducer):
+    """The table reducer of flat partitions (:func:`enable_deepspeed_zero`): a tensor lies on each
+    rank in at most one piece of a partition, whose rows of the table are its param group's
+    tensors."""
+
+    def __init__(self, partitions: dict[int, _Partition], group):
+        super().__init__(group)
+        self._partitions = partitions
 
     def reduce_trust_sums(self, sums: list[torch.Tensor], buckets: list[Bucket]) -> None:
         offsets: dict[int, int] = {}  # id(partition) -> its first row in the table
@@ -445,24 +473,7 @@ class _PartitionReducer:
             return
         dtype = torch.float64 if any(sums[k].dtype == torch.float64 for k, _, _ in picks) \
             else torch.float32
-        _reduce_table(sums, picks, size, self._group, self._consts, dtype,
-                      sums[picks[0][0]].device)
-
-
-def _reduce_table(sums, picks, size: int, group, consts: dict, dtype, dev) -> None:
-    """Put the rows ``picks`` (bucket index, its rows, their rows in the table) of ``sums`` into
-    a zero table of ``size`` rows, all-reduce it over ``group`` and give each row its total."""
-    table = torch.zeros(size, 2, dtype=dtype, device=dev)
-    picked = []
-    for k, rows, at in picks:
-        s = sums[k]
-        ix = _const(consts, rows, torch.int64, s.device)
-        to = _const(consts, at, torch.int64, dev)
-        table.index_copy_(0, to, s.index_select(0, ix).to(dev, dtype))
-        picked.append((s, ix, to))
-    _all_reduce_on(table, None, group)
-    for s, ix, to in picked:
-        s.index_copy_(0, ix, table.index_select(0, to).to(s.device, s.dtype))
+        self._reduce(sums, picks, size, dtype, sums[picks[0][0]].device)
 
 
 def enable_deepspeed_zero(engine) -> None:
@@ -586,30 +597,31 @@ def _register(inner, flats: list, dp_groups: list) -> None:
 
 
 # ------------------------------------------------------------------------------ FSDP1
-class _PieceReducer:
-    """Completes the sums of params that are this rank's pieces of their tensors
-    (:func:`enable_fsdp1`): each piece's row goes to its tensor's row of one table with a row
-    for every tensor, the table is all-reduced over the sharding group at every step, and each
-    piece gets its tensor's total. Every element lies on exactly one rank, so the sum counts
-    each once."""
+class _PieceReducer(_TableReducer):
+    """The table reducer of FSDP1's pieces (:func:`enable_fsdp1`): every param of the step is a
+    piece (enable_fsdp1 refuses others, the optimizer params it has not registered), and the
+    table has a row for every tensor, so that every rank all-reduces the same table at every
+    step."""
 
     def __init__(self, rows: dict[int, int], group, device: torch.device):
+        super().__init__(group)
         self._rows = rows  # id(param) -> its tensor's row
-        self._group = group
         self._device = device
-        self._consts: dict[tuple, torch.Tensor] = {}  # see _const
-
-    def reduce_grad_sq(self, total: torch.Tensor) -> None:
-        _all_reduce_on(total, None, self._group)
 
     def reduce_trust_sums(self, sums: list[torch.Tensor], buckets: list[Bucket]) -> None:
-        picks = []
-        for k, b in enumerate(buckets):
-            sel = [(j, self._rows[id(p)]) for j, p in enumerate(b.params) if id(p) in self._rows]
-            if sel:
-                picks.append((k, [j for j, _ in sel], [r for _, r in sel]))
-        _reduce_table(sums, picks, len(self._rows), self._group, self._consts, torch.float64,
-                      self._device)
+        picks = [(k, None, list(map(self._rows.__getitem__, map(id, b.params))))
+                 for k, b in enumerate(buckets)]
+        self._reduce(sums, picks, len(self._rows), torch.float64, self._device)
+
+
+def fsdp1_handles(model: torch.nn.Module) -> list:
+    """The FSDP1 handles (one per unit that holds params) under ``model``; none unless
+    torch.distributed.fsdp was imported (a model wrapped in it was made by that module)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []
+    return [m._handle for m in fsdp.FullyShardedDataParallel.fsdp_modules(model)
+            if m._handle is not None]
 
 
 def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
@@ -633,8 +645,6 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     modules sharded over different process groups, and for params of the optimizer that FSDP1
     does not shard beside those it does.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     if not hasattr(optimizer, "_set_keys"):
         raise TypeError("enable_fsdp1 needs a fusedopt.FusedLAMB or FusedLARS optimizer; got "
@@ -645,10 +655,9 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     keys: dict[int, int] = {}
     numels: dict[int, int] = {}
     groups = {}
-    for module in FSDP.fsdp_modules(model):
-        handle = module._handle
-        if handle is None or not handle.uses_sharded_strategy:
-            continue  # no params of its own, or NO_SHARD: whole tensors on every rank
+    for handle in fsdp1_handles(model):
+        if not handle.uses_sharded_strategy:
+            continue  # NO_SHARD: whole tensors on every rank
         if not handle._use_orig_params:
             raise TypeError("enable_fsdp1 needs FullyShardedDataParallel(use_orig_params=True): "
                             "with use_orig_params=False the optimizer steps flat params of many "

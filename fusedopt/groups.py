@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
@@ -88,12 +87,8 @@ def param_groups(
 
 
 def _fsdp1_shapes(model: torch.nn.Module) -> dict[int, torch.Size]:
-    """id(param) -> its own shape, for the params of ``model`` that FSDP1 shards into pieces
-    (none unless FSDP was imported: a model wrapped in it was made by its module)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None:
-        return {}
-    return {id(p): shape for module in fsdp.FullyShardedDataParallel.fsdp_modules(model)
-            if module._handle is not None and module._handle._use_orig_params
-            for p, shape in zip(module._handle.flat_param._params,
-                                module._handle.flat_param._shapes)}
+    """id(param) -> its own shape, for the params of ``model`` that FSDP1 holds as pieces."""
+    from .distributed import fsdp1_handles
+
+    return {id(p): shape for h in fsdp1_handles(model) if h._use_orig_params
+            for p, shape in zip(h.flat_param._params, h.flat_param._shapes)}
