@@ -106,8 +106,10 @@ def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """The correctly rounded square root, as every backend takes it (docs/math.md). torch's CPU
     square root of float32 is within one ulp (MKL's VML), a fifth of its results one ulp from
-    the rounded root; taken in float64 and rounded to float32 it is the rounded root (a square
-    root rounded twice, to 53 bits and then to 24, rounds as once)."""
+    the rounded root; taken in float64 (within one float64 ulp, VML again) and rounded to float32
+    it is the rounded root: scaled to [1, 2), the root r of a float32 x lies at least 2^-50 from
+    a float32 rounding boundary m (x - m² is a nonzero multiple of 2^-48, and r + m < 4), and an
+    error of one float64 ulp (2^-52) cannot carry it across."""
     if x.dtype == torch.float32 and x.device.type == "cpu":
         return x.double().sqrt_().float()
     return x.sqrt()

@@ -7,7 +7,7 @@ give bit-identical params and optimizer state to the code before it; tests/test_
 every case below with the current code and compares it, bit for bit, with
 tests/data/golden_89780ab.pt.
 
-First recorded at commit 990dfdf ("functional: __all__ wrapped") on 2026-11-26 (UTC), torch
+First recorded at commit 990dfdf ("functional: __all__ wrapped"), torch
 2.13.0+cpu, triton 3.7.1, 2 intra-op threads, with a checkout of that commit whose extension was
 built in place (BASE: a directory outside the clone; the clone's .venv)::
 
@@ -22,7 +22,7 @@ the venv has the clone installed in editable mode, PYTHONPATH comes first.) The 
 
 Commit 89780ab changed the eager backend's numbers on purpose (every product rounded before its
 sum, correctly rounded square roots: docs/math.md); its eager entries were recorded the same way
-at 89780ab (``--backends eager,cpp``, 2026-11-27), and golden_89780ab.pt is golden_990dfdf.pt
+at 89780ab (``--backends eager,cpp``), and golden_89780ab.pt is golden_990dfdf.pt
 (in git history) with those eager entries: the cpp recording at 89780ab equals 990dfdf's in
 every case, and 89780ab changed no Triton code (``"__meta__"["note"]`` says so).
 
