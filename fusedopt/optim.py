@@ -235,8 +235,9 @@ class _TrustRatioOptimizer(Optimizer):
     def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
         """Note [option checks]: a group's options are checked when the group is added and again
         at the step after any of them was replaced (by a scheduler, by hand, by
-        ``load_state_dict``): the values last checked are kept in the step cache and compared by
-        identity, which costs one pass over a dozen keys. A tensor ``lr`` changed in place (as
+        ``load_state_dict``) or, for a list, edited in place: the values last checked are kept
+        in the step cache and compared by identity (a list's items by value), which costs one
+        pass over a dozen keys. A tensor ``lr`` changed in place (as
         torch's schedulers do) is the same object and its value is not read again: a step reads
         no tensor value on the host (on an accelerator that would be a device sync per step).
 
@@ -255,13 +256,19 @@ class _TrustRatioOptimizer(Optimizer):
             self._named(gi, self._check_options, group)
             return
         seen = self._cache.options.get(gi)
-        if seen is not None and all(map(is_, self._option_values(group), seen)):
-            return
+        if seen is not None:
+            values = self._option_values(group)
+            if all(map(is_, values, seen[0])) and all(tuple(values[i]) == items
+                                                      for i, items in seen[1]):
+                return
         self._named(gi, self._check_options, group)
         self._remember_options(gi, group)
 
     def _remember_options(self, gi: int, group: dict[str, Any]) -> None:
-        self._cache.options[gi] = self._option_values(group)
+        values = self._option_values(group)
+        # a list (betas read from a config file) can be edited in place: its items are kept too
+        self._cache.options[gi] = (values, [(i, tuple(v)) for i, v in enumerate(values)
+                                            if type(v) is list])
         if isinstance(group["lr"], torch.Tensor):
             self._cache.lrs[gi] = group["lr"]
 

@@ -820,6 +820,16 @@ def _set_option(key, value):
     return edit
 
 
+def _list_edited_in_place(key, good: list, bad):
+    """An edit that gives group 1 the list option ``key`` = ``good`` (as a config file gives
+    one), steps, then sets its first item to ``bad`` in place."""
+    def edit(opt, groups, kind):
+        opt.param_groups[1][key] = list(good)
+        opt.step()
+        opt.param_groups[1][key][0] = bad
+    return edit
+
+
 def _load_option(key, value):
     def edit(opt, groups, kind):
         sd = opt.state_dict()
@@ -1050,6 +1060,12 @@ BAD_INPUTS = (
              backend_matters=True),
     # -- options: refused at the step that finds them, naming the group
     *_option_rows(),
+    BadInput("betas_list_edited_in_place", _edited(_list_edited_in_place("betas", [0.9, 0.999],
+                                                                        2.0)),
+             ValueError, r"param group 1: Invalid beta1: 2\.0", ("lamb",)),
+    BadInput("trust_ratio_bounds_list_edited_in_place", _edited(_list_edited_in_place(
+        "trust_ratio_bounds", [0.1, 10.0], -1.0)),
+        ValueError, r"param group 1: Invalid trust_ratio_bounds", ("lamb",)),
     BadInput("lr_on_the_meta_device", _edited(_set_option("lr", torch.tensor(0.1,
                                                                               device="meta"))),
              ValueError, r"param group 1: Invalid lr: a tensor lr on the meta device holds no "

@@ -497,6 +497,32 @@ def test_compiled_step_refuses_a_bad_tensor_lr_and_changes_nothing(backend):
     assert all(float(s["step"]) == 3 for s in opt.state.values())
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
+def test_a_list_option_edited_in_place_is_checked_again(backend, compiled):
+    """betas given as a list (as a config file gives them) and edited in place between steps:
+    an invalid item is refused with nothing changed, compiled as uncompiled (BAD_INPUTS'
+    *_edited_in_place rows check the uncompiled step on every kind), and a valid one is used."""
+    model = _model()
+    opt = fusedopt.FusedLAMB(fusedopt.param_groups(model, weight_decay=0.01),
+                             lr=torch.tensor(0.01), betas=[0.9, 0.999], backend=backend)
+    step = torch.compile(opt.step) if compiled else opt.step
+    x, y = _data()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    step()
+    opt.param_groups[1]["betas"][0] = 1.5  # the list shared by both groups
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for v in _state(opt)]
+    with pytest.raises(ValueError, match=r"param group 0: Invalid beta1: 1\.5"):
+        step()
+    assert all(map(torch.equal, params, model.parameters()))
+    assert all(map(torch.equal, state, _state(opt)))
+    opt.param_groups[0]["betas"][0] = 0.0  # m = (1 - 0)·g: the step reads the edited list
+    step()
+    for p in model.parameters():
+        assert torch.equal(opt.state[p]["exp_avg"], p.grad)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_bf16_step_after_masters_are_switched_off(backend):
     """Master weights switched off between compiled steps (two groups): the next steps update the
