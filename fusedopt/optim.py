@@ -107,7 +107,7 @@ def _unshare_lrs(groups) -> None:
 # in fusedopt/backends/triton_backend.py).
 @torch._disable_dynamo
 def _step_outside_dynamo(opt: "_TrustRatioOptimizer", closure):
-    return opt.step(closure)
+    return opt._stepped(closure)
 
 
 @torch._disable_dynamo
@@ -523,6 +523,11 @@ class _TrustRatioOptimizer(Optimizer):
             raise RuntimeError(f"{type(self).__name__}: param {j} of param group {gi} has no "
                                f"state tensor {key!r} (a state dict of another optimizer, or "
                                "master weights switched on after steps?)") from None
+        if master and sum(map(is_, columns[-1], repeat(None))) != low.count(False):
+            # a None master would step its param as if it had none
+            i = next(i for i, (m, lo) in enumerate(zip(columns[-1], low)) if lo and m is None)
+            raise TypeError(f"{type(self).__name__}: param group {gi}, param {i} of those with "
+                            "grads: state 'master_param' is NoneType, not a tensor")
         if not master and max(map(len, states)) > len(names):
             # stale masters (a state with more keys than this kind's): dropped once the step
             # has succeeded (Note [refused steps])
@@ -738,9 +743,14 @@ class _TrustRatioOptimizer(Optimizer):
     # (check_new_params) and removed again if the step raises later; masters left over from
     # before master_weights was turned off are dropped only once the step succeeded (under
     # torch.compile, after its graph ran: _drop_stale).
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        return self._stepped(closure)
+
+    @torch.no_grad()
+    def _stepped(self, closure: Callable[[], Any] | None):
+        """``step()`` within torch's wrapper of it, which runs the step hooks once per step: a
+        step that leaves a trace to run eagerly (``_step_outside_dynamo``) comes back here."""
         if not torch.compiler.is_compiling() and get_eval_frame_callback() is not None:
             # Note [refused steps] under torch.compile: a step that dynamo could not trace (it
             # refused a value, or hit what it cannot trace) runs eagerly, and none of its frames

@@ -1058,6 +1058,10 @@ BAD_INPUTS = (
     BadInput("stale_master_turned_back_on", _edited(_stale_master, dtype=torch.bfloat16),
              RuntimeError, r"param 0 of param group 0 has no state tensor 'master_param'",
              backend_matters=True),
+    BadInput("master_none", _edited(_set_state("master_param", lambda old: None),
+                                    dtype=torch.bfloat16), TypeError,
+             r"param group 1, param 0 of those with grads: state 'master_param' is NoneType, not "
+             r"a tensor", backend_matters=True),
     # -- options: refused at the step that finds them, naming the group
     *_option_rows(),
     BadInput("betas_list_edited_in_place", _edited(_list_edited_in_place("betas", [0.9, 0.999],

@@ -618,8 +618,9 @@ def test_compiled_step_equals_uncompiled_for_drawn_option_schedules(kind, schedu
 def test_dtensor_params_put_into_a_group_in_place_step_as_uncompiled():
     """A DTensor param appended to a group's list in place (not by add_param_group, which marks
     the optimizer as sharded) between compiled steps: the trace finds it, the step runs eagerly
-    (local shards are made per step, which a graph cannot take as inputs), and every step gives
-    the uncompiled step's bits (a fake process group of one rank)."""
+    (local shards are made per step, which a graph cannot take as inputs), running torch's step
+    hooks once, and every step gives the uncompiled step's bits (a fake process group of one
+    rank)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -638,6 +639,9 @@ def test_dtensor_params_put_into_a_group_in_place_step_as_uncompiled():
             dt = torch.nn.Parameter(DTensor.from_local(torch.randn(6, 2, generator=gen), mesh,
                                                        [Shard(0)], run_check=False))
             opt = fusedopt.FusedLAMB([plain], lr=0.1, backend="cpp")
+            calls = []
+            opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+            opt.register_step_post_hook(lambda *_: calls.append("post"))
             step = torch.compile(opt.step) if compiled else opt.step
             for s in range(3):
                 plain.grad = torch.randn(4, 3, generator=gen)
@@ -646,6 +650,7 @@ def test_dtensor_params_put_into_a_group_in_place_step_as_uncompiled():
                 if s == 1:
                     opt.param_groups[0]["params"].append(dt)
                 step()
+            assert calls == ["pre", "post"] * 3  # torch's step hooks once per step
             return [plain.detach().clone(), dt.to_local().detach().clone()]
 
         assert all(map(torch.equal, run(False), run(True)))
