@@ -53,7 +53,10 @@ def is_real(x: Any) -> bool:
 
 
 def _show(x: Any) -> str:
-    """``repr(x)`` for an error message, short for an int of many digits."""
+    """``repr(x)`` for an error message, short for an int of many digits; a tensor is named as
+    the type that is refused (torch's Adam takes tensor betas, for instance)."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor ({x!r}; of the options only lr may be one)"
     if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10 ** 30:
         return f"an int of {len(str(abs(x))) if abs(x) < 10 ** 4000 else 'over 4000'} digits"
     return repr(x)
@@ -83,7 +86,7 @@ def _check_lr(lr: Any) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or lr.is_complex() or not lr.is_floating_point():
             raise ValueError(f"Invalid lr: a tensor lr must be a real floating-point tensor of one "
-                             f"element, got {_show(lr)}")
+                             f"element, got {lr!r}")
         if lr.device.type == "meta":
             raise ValueError("Invalid lr: a tensor lr on the meta device holds no value")
         if not torch.compiler.is_compiling():  # a traced step reads no value on the host

@@ -973,6 +973,8 @@ BAD_OPTIONS = (
     ("lamb", "lr", 1e308, r"lr: 1e\+308 overflows torch.float32"),
     ("lamb", "betas", (2, 0), r"beta1: 2"),
     ("lamb", "betas", (0.9,), r"betas: \(0\.9,\); expected a pair"),
+    ("lamb", "betas", (torch.tensor(0.5), 0.999),
+     r"beta1: a tensor \(tensor\(0\.5000\); of the options only lr may be one\)"),
     ("lamb", "trust_ratio_bounds", (2, 1), r"trust_ratio_bounds.*lo <= hi"),
     ("lamb", "trust_ratio_bounds", (1,), r"trust_ratio_bounds: \(1,\); expected None or a pair"),
     ("lamb", "trust_ratio_bounds", (math.inf, math.inf),
