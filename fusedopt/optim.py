@@ -283,7 +283,8 @@ class _TrustRatioOptimizer(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         out = super().__getstate__()
-        out["state"] = self.state.plain()
+        if isinstance(out["state"], OptimizerState):
+            out["state"] = out["state"].plain()
         out["skip_nonfinite"] = self.skip_nonfinite
         for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys", "_numels",
                     "_load"):
@@ -793,6 +794,11 @@ class _TrustRatioOptimizer(Optimizer):
     def _step(self) -> None:
         # not an argument: dynamo may compile this frame on its own while step() runs eagerly
         traced = torch.compiler.is_compiling()
+        if not traced and type(self.state) is not OptimizerState:
+            # replaced (`opt.state = defaultdict(dict)`, as some trainers reset an optimizer):
+            # counted again from a new counter, so nothing kept can match it (Note [list cache])
+            self.state = OptimizerState(self.state)
+            self._fresh()
         lrs = [g["lr"] for g in self.param_groups if isinstance(g["lr"], torch.Tensor)]
         if len(set(map(id, lrs))) < len(lrs):  # one object in several groups
             if traced:  # before anything is traced: a graph break here costs nothing

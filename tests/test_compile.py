@@ -5,6 +5,7 @@ bit on cpp and triton, whose compiled graphs call the same kernels through their
 within float32 rounding on eager). Triton runs in its interpreter here (tests/conftest.py)."""
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -521,6 +522,27 @@ def test_a_list_option_edited_in_place_is_checked_again(backend, compiled):
     step()
     for p in model.parameters():
         assert torch.equal(opt.state[p]["exp_avg"], p.grad)
+
+
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
+def test_state_replaced_by_a_new_mapping_between_compiled_steps(backend):
+    """``opt.state = defaultdict(dict)`` between compiled steps (a reset, as some training loops
+    make it) restarts every param's state, as uncompiled, and an uncompiled step after it too."""
+    runs = []
+    for compiled in (True, False):
+        model = _model()
+        opt = _fused("lamb", backend, model)
+        step = torch.compile(opt.step) if compiled else opt.step
+        x, y = _data()
+        for i in range(4):
+            if i == 2:
+                opt.state = collections.defaultdict(dict)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            (step if i < 3 else opt.step)()
+        assert all(float(s["step"]) == 2 for s in opt.state.values())
+        runs.append([p.detach().clone() for p in model.parameters()] + _state(opt))
+    _assert_same(backend, *runs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,5 +1,6 @@
 """Behaviour users expect from torch optimizers, bad input, and the exclusion helper."""
 import ast
+import collections
 import copy
 import inspect
 import io
@@ -480,12 +481,13 @@ def test_cached_lists_follow_an_edited_params_list(kind):
     assert opt.state[new_w]["step"].item() == 1
 
 
-@pytest.mark.parametrize("reset", ["del_state", "new_state_dict"])
+@pytest.mark.parametrize("reset", ["del_state", "new_state_dict", "new_mapping", "cleared"])
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
 @pytest.mark.parametrize("kind", KINDS)
 def test_cached_lists_see_a_state_reset_by_hand(kind, backend, reset):
-    """Resetting one param's state (as some training loops do) restarts it on the next step, with
-    the list cache as without it."""
+    """Resetting one param's state, or all of it (``opt.state = defaultdict(dict)``, as some
+    training loops do), restarts it on the next step, with the list cache as without it: the
+    step then equals a fresh optimizer's, and the optimizer still pickles."""
     m = model()
     opt = OPTS[kind](m.parameters(), backend=backend)
     train(opt, m, 2)
@@ -493,12 +495,22 @@ def test_cached_lists_see_a_state_reset_by_hand(kind, backend, reset):
     key = "exp_avg" if kind == "lamb" else "momentum_buffer"
     if reset == "del_state":
         del opt.state[w]
-    else:
+    elif reset == "new_state_dict":
         opt.state[w] = {}
+    elif reset == "new_mapping":
+        opt.state = collections.defaultdict(dict)
+    else:
+        opt.state.clear()
+    fresh = copy.deepcopy(m)
     train(opt, m, 1)
     assert opt.state[w]["step"].item() == 1
-    assert opt.state[m[0].bias]["step"].item() == 3
     assert opt.state[w][key].abs().sum() > 0
+    if reset in ("del_state", "new_state_dict"):
+        assert opt.state[m[0].bias]["step"].item() == 3
+        return
+    train(OPTS[kind](fresh.parameters(), backend=backend), fresh, 1)
+    assert all(map(torch.equal, m.parameters(), fresh.parameters()))
+    copy.deepcopy(opt)
 
 
 @pytest.mark.parametrize("change", ["transposed_grad", "bf16_grads"])
