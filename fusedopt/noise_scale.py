@@ -50,6 +50,22 @@ def _work_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def _check_grad_scale(grad_scale: Any) -> None:
+    if grad_scale is not None and not isinstance(grad_scale, torch.Tensor) and not (
+            is_real(grad_scale) and 0 < grad_scale < math.inf):
+        raise ValueError(f"Invalid grad_scale: {grad_scale!r}; expected None, a finite number > 0 "
+                         "or a tensor")
+
+
+def _unscaled(grad_scale: Any, device: torch.device, *sq_norms: torch.Tensor) -> tuple:
+    """``sq_norms`` of gradients multiplied by ``grad_scale`` (a loss scale, checked by
+    ``_check_grad_scale``; a tensor's value is not read) as the unscaled gradients'."""
+    if grad_scale is None:
+        return sq_norms
+    inv = _as_scalar_tensor("grad_scale", grad_scale, device).reciprocal().square()
+    return tuple(x * inv for x in sq_norms)
+
+
 def _as_scalar_tensor(name: str, x: Any, device: torch.device | None) -> torch.Tensor:
     """A 0-d float64 tensor from a Python number (validated: finite, >= 0) or a 1-element tensor
     (shape only: its value is not read, so no device synchronization)."""
@@ -95,7 +111,7 @@ class GradientNoiseScale:
 
     def reset(self) -> None:
         """Forget every measurement."""
-        self.num_updates = 0
+        self._count: torch.Tensor | None = None  # measurements folded in, on their device
         self._ema_sq: torch.Tensor | None = None
         self._ema_trace: torch.Tensor | None = None
         self.last_small_sq_norm: torch.Tensor | None = None
@@ -123,7 +139,9 @@ class GradientNoiseScale:
             big_sq_norm: ``|G_B|²`` of the big batch's mean gradient.
 
         Python numbers are checked (finite, >= 0); tensors are used as they are, on their device,
-        without reading their values.
+        without reading their values. A measurement whose estimates are not finite (the inf or
+        NaN gradients of a step that AMP's GradScaler skips) is left out, decided on the device:
+        the averages and ``num_updates`` stay as they were.
 
         Raises:
             ValueError: a batch size not an integer >= 1, ``big_batch <= small_batch``, an empty
@@ -156,21 +174,28 @@ class GradientNoiseScale:
         trace = (small - big) / (1.0 / b - 1.0 / B)
 
         beta = self.beta
+        ok = torch.isfinite(sq) & torch.isfinite(trace)
         if self._ema_sq is None:
-            self._ema_sq = (1.0 - beta) * sq
-            self._ema_trace = (1.0 - beta) * trace
-        else:
-            self._ema_sq = beta * self._ema_sq.to(sq.device, sq.dtype) + (1.0 - beta) * sq
-            self._ema_trace = beta * self._ema_trace.to(sq.device, sq.dtype) + (1.0 - beta) * trace
-        self.num_updates += 1
+            self._ema_sq, self._ema_trace = torch.zeros_like(sq), torch.zeros_like(sq)
+            self._count = torch.zeros_like(sq)
+        old_sq, old_trace = (t.to(sq.device, sq.dtype) for t in (self._ema_sq, self._ema_trace))
+        self._ema_sq = torch.where(ok, beta * old_sq + (1.0 - beta) * sq, old_sq)
+        self._ema_trace = torch.where(ok, beta * old_trace + (1.0 - beta) * trace, old_trace)
+        self._count = self._count.to(sq.device, sq.dtype) + ok
         self.last_small_sq_norm, self.last_big_sq_norm = small, big
         self.last_sq_norm, self.last_trace = sq, trace
 
     # ------------------------------------------------------------------ read-out
+    @property
+    def num_updates(self) -> int:
+        """Measurements folded in so far (without those left out as not finite)."""
+        return 0 if self._count is None else int(self._count)
+
     def _corrected(self, ema: torch.Tensor | None) -> float:
-        if ema is None or self.num_updates == 0:
+        n = self.num_updates
+        if ema is None or n == 0:
             return math.nan
-        return float(ema) / (1.0 - self.beta ** self.num_updates)
+        return float(ema) / (1.0 - self.beta ** n)
 
     @property
     def sq_norm_estimate(self) -> float:
@@ -222,13 +247,14 @@ class GradientNoiseScale:
             raise ValueError(f"Invalid num_updates in state_dict: {n!r}; expected an integer >= 0")
         self.reset()
         self.beta = float(beta)
-        self.num_updates = int(n)
 
         def tensor(x):
             return None if x is None else torch.as_tensor(x, dtype=torch.float64).clone()
 
         self._ema_sq = tensor(state_dict["ema_sq_norm"])
         self._ema_trace = tensor(state_dict["ema_trace"])
+        if self._ema_sq is not None:
+            self._count = torch.tensor(float(n), dtype=self._ema_sq.dtype)
 
     def __repr__(self) -> str:
         return (f"GradientNoiseScale(beta={self.beta}, num_updates={self.num_updates}, "
@@ -271,7 +297,11 @@ class GradientAccumulationNoiseScale:
 
     Requirements: exactly one ``backward()`` per micro-batch (two backwards would be measured as
     two micro-batches' worth of contributions), dense gradients, equal micro-batch sizes, and
-    each micro-batch loss being the *mean* over its examples. ``accumulation`` says how the
+    each micro-batch loss being the *mean* over its examples. Under AMP's ``GradScaler``, pass
+    its scale to :meth:`step` (``grad_scale=scaler.get_scale()``): the scale changes during
+    training, and unscaled measurements keep each step's weight in the averages; the inf or NaN
+    gradients of a step the scaler skips are left out (``update_from_norms``).
+    ``accumulation`` says how the
     micro-batch losses are combined: ``"mean"`` if each is divided by the number of
     micro-batches (the usual practice: ``p.grad`` ends as the big-batch mean gradient), ``"sum"``
     if not. A wrong setting scales ``sq_norm_estimate`` and ``trace_estimate`` by the same factor
@@ -336,16 +366,20 @@ class GradientAccumulationNoiseScale:
         """Micro-batches recorded since the last :meth:`step`."""
         return len(self._micro)
 
-    def step(self) -> None:
+    def step(self, grad_scale: float | torch.Tensor | None = None) -> None:
         """Feed the estimator with this accumulation window and start a new one.
 
         Call after the last :meth:`micro_batch_done` and before anything modifies the gradients
-        (clipping, unscaling, ``optimizer.step()``, ``zero_grad()``).
+        (clipping, unscaling, ``optimizer.step()``, ``zero_grad()``). ``grad_scale``: the loss
+        scale the gradients carry (AMP's ``GradScaler``), divided out of the measurements.
 
         Raises:
             RuntimeError: a backward without its :meth:`micro_batch_done`, or fewer than 2
                 micro-batches (no big batch to compare with).
+            ValueError: a ``grad_scale`` that is not a finite number > 0 or a tensor (the
+                window is kept).
         """
+        _check_grad_scale(grad_scale)
         if self._pending:
             raise RuntimeError(
                 "a backward() was not followed by micro_batch_done(); call it after each "
@@ -368,6 +402,7 @@ class GradientAccumulationNoiseScale:
         else:
             # contributions are g_i; p.grad is n times the big-batch mean gradient
             big = big / float(n * n)
+        micro, big = _unscaled(grad_scale, dev, micro, big)
         self.noise_scale.update_from_norms(
             small_batch=self.micro_batch_size, small_sq_norms=micro,
             big_batch=self.micro_batch_size * n, big_sq_norm=big,
@@ -467,14 +502,19 @@ class DDPGradientNoiseScale:
 
         return fut.then(after)
 
-    def step(self) -> None:
+    def step(self, grad_scale: float | torch.Tensor | None = None) -> None:
         """All-reduce the local squared norms and feed the estimator (call on every rank).
+        ``grad_scale``: the loss scale the gradients carry (AMP's ``GradScaler``), divided out
+        of the measurements, as for :meth:`GradientAccumulationNoiseScale.step`.
 
         Raises:
             RuntimeError: no synchronizing backward since the last call.
+            ValueError: a ``grad_scale`` that is not a finite number > 0 or a tensor (the
+                measurements are kept).
         """
         import torch.distributed as dist
 
+        _check_grad_scale(grad_scale)
         if not self._local or len(self._big) != len(self._local):
             self._local.clear()
             self._big.clear()
@@ -488,6 +528,7 @@ class DDPGradientNoiseScale:
         self._local.clear()
         self._big.clear()
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
+        local, big = _unscaled(grad_scale, dev, local, big)
         self.noise_scale.update_from_norms(
             small_batch=self.local_batch_size, small_sq_norms=local / self.world_size,
             big_batch=self.local_batch_size * self.world_size, big_sq_norm=big,

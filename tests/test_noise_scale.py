@@ -305,6 +305,41 @@ def test_accumulation_helper_second_window_ignores_first():
     assert acc.noise_scale.num_updates == 2
 
 
+def test_accumulation_helper_under_a_grad_scaler():
+    """Gradients of losses times a changing loss scale (powers of two, as GradScaler's), with
+    ``grad_scale`` passed, give the unscaled run's estimates; a window whose gradients hold an inf
+    (a step the scaler skips) is left out on the device instead of making every later estimate
+    NaN; a number <= 0 as grad_scale is refused."""
+    estimates = []
+    for scaled in (False, True):
+        model = _mlp()
+        acc = GradientAccumulationNoiseScale(model.parameters(), 4)
+        for w, scale in enumerate((2.0 ** 10, 2.0 ** 16, 2.0 ** 15, 2.0 ** 3)):
+            if scaled and w == 2:  # an overflowing window first, then the same window again
+                for x, y in _micro_batches(3, 4, seed=w):
+                    (torch.nn.functional.cross_entropy(model(x), y) * math.inf / 3).backward()
+                    acc.micro_batch_done()
+                acc.step(grad_scale=torch.tensor(scale))
+                model.zero_grad()
+            for x, y in _micro_batches(3, 4, seed=w):
+                loss = torch.nn.functional.cross_entropy(model(x), y) / 3
+                (loss * scale if scaled else loss).backward()
+                acc.micro_batch_done()
+            acc.step(grad_scale=scale if scaled else None)
+            model.zero_grad()
+        gns = acc.noise_scale
+        estimates.append((gns.num_updates, gns.sq_norm_estimate, gns.trace_estimate))
+    assert estimates[0][0] == 4 and math.isfinite(estimates[1][1])
+    assert estimates[1] == pytest.approx(estimates[0], rel=1e-12)
+    for x, y in _micro_batches(2, 4):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        acc.micro_batch_done()
+    for bad in (0.0, -1.0, math.inf, "2"):
+        with pytest.raises(ValueError, match="Invalid grad_scale"):
+            acc.step(grad_scale=bad)
+        assert acc.num_micro_batches == 2
+
+
 def test_accumulation_helper_misuse_raises():
     model = _mlp()
     (x, y), = _micro_batches(1, 4)

@@ -49,8 +49,11 @@ def _worker(rank, store_path):
         ref_est = GradientNoiseScale(beta=0.5)
         for step in range(4):
             x, y = _batch(rank, step)
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            helper.step()
+            scale = 2.0 ** 8 if step == 2 else 1.0  # a loss scale (AMP), divided out by step()
+            (torch.nn.functional.cross_entropy(ddp(x), y) * scale).backward()
+            helper.step(grad_scale=scale if step == 2 else None)
+            for q in ddp.parameters():
+                q.grad.div_(scale)
 
             # Reference without DDP: this rank's local mean gradient, gathered from all ranks.
             ref_model.zero_grad()
