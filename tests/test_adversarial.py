@@ -652,7 +652,10 @@ def _drive(cfg: Config, name: str | None, backend: str):
 def _compare_backends(a: Run, b: Run) -> list[str]:
     errs = []
     sa, sb = _snapshot(a), _snapshot(b)
-    mixed_clip = any(g.get("max_grad_norm") is not None for g in a.opt.param_groups) and any(
+    # the steps before an edit count too: a loaded state dict may have taken max_grad_norm away
+    clipped = [g.get("max_grad_norm") for g in a.opt.param_groups] + [
+        gs.hyper.get("max_grad_norm") for gs in a.cfg.groups]
+    mixed_clip = any(c is not None for c in clipped) and any(
         gs.grad_dtype != torch.float64 for gs in a.cfg.groups)
 
     def tol(dtype):
