@@ -65,9 +65,13 @@ def in_memory_order(t: torch.Tensor) -> torch.Tensor:
 
 
 def laid_out_as(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``t`` (of ``p``'s shape) with the strides of the dense ``p``: ``t`` itself when it has
-    them, else a copy. The kernels walk a param's tensors in the param's memory order."""
-    if t.stride() == p.stride():
+    """``t`` (of ``p``'s shape) laid out as the dense ``p``: ``t`` itself when its elements lie
+    in memory in ``p``'s order without gaps, else a copy with ``p``'s strides. The kernels walk
+    a param's tensors in the param's memory order."""
+    # asked of is_contiguous, not read from the strides: under torch.compile dynamo gives a
+    # param's grad of other strides symbolic ones, which it fails to compare (an internal error)
+    order = memory_order(p)
+    if t.is_contiguous() if order is None else t.permute(order).is_contiguous():
         return t
     return torch.empty_like(p, dtype=t.dtype).copy_(t)
 
