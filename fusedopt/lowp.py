@@ -60,6 +60,8 @@ def zeros(like: torch.Tensor, fmt: str, *, dtype: torch.dtype = torch.float32) -
 
 def split(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 scales ``[n_blocks(n)]`` and uint8 codes ``[n]`` of a packed tensor (views)."""
+    if n == 0:  # an empty tensor counts as contiguous whatever its stride, which view() refuses
+        return packed.new_empty(0, dtype=torch.float32), packed[:0]
     scales = packed[: 4 * n_blocks(n)].view(torch.float32)
     return scales, packed[codes_offset(n):codes_offset(n) + n]
 

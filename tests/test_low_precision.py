@@ -494,6 +494,22 @@ def test_state_dict_holds_8bit_codes_and_scales(kind):
     _assert_continue_alike(params, opt, twins, twin)
 
 
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp", "triton")))
+def test_an_empty_params_8bit_state_of_any_stride_steps(backend):
+    """The packed 8-bit state of an empty param, replaced by an empty tensor of stride 2 (which
+    counts as contiguous): every backend steps it, as the non-empty param beside it (the eager
+    backend's view of its scales raised a bare torch error where cpp stepped)."""
+    ps = [torch.nn.Parameter(torch.zeros(0, 3)), torch.nn.Parameter(torch.ones(300))]
+    opt = _opt("lamb", ps, backend, "8bit", state_min_numel=0)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.state[ps[0]]["exp_avg"] = torch.zeros(2, dtype=torch.uint8)[::2][:0]
+    before = ps[1].detach().clone()
+    opt.step()
+    assert float(opt.state[ps[0]]["step"]) == 2 and not torch.equal(ps[1], before)
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda st: st.update(exp_avg_scales=st["exp_avg_scales"][:1]), "scales do not fit"),
     (lambda st: st.pop("exp_avg_sq_scales"), "bytes without 'exp_avg_sq_scales'"),
