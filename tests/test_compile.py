@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 import fusedopt
 from fusedopt import backends
 
+import test_adversarial as adversarial
 from helpers import backend_params
 
 BACKENDS = backend_params(("eager", "cpp", "triton"))
@@ -668,6 +669,40 @@ def test_compiled_step_equals_uncompiled_for_drawn_option_schedules(kind, schedu
             step()
         runs.append([p.detach().clone() for p in model.parameters()] + _state(opt))
     assert all(map(torch.equal, *runs))
+
+
+@pytest.mark.parametrize("low", [False, True], ids=["full", "low_precision"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@settings(max_examples=4, **adversarial.SETTINGS)
+@given(data=st.data())
+def test_compiled_step_equals_uncompiled_on_random_configs(kind, low, data):
+    """The adversarial suite's random configs (0-size and 0-dim shapes, transposed and sliced
+    params, transposed, sliced and stride-0 grads, every dtype, master weights on, off and auto,
+    several groups, full or low-precision state), with a float lr changed at every step: the
+    compiled cpp step gives the uncompiled step's bits. Grads take their param's dtype: dynamo
+    cannot trace a param whose grad_dtype differs (torch's Adam neither)."""
+    if backends.get_backend("cpp") is None:
+        pytest.skip(f"the cpp backend is not available: {backends.load_error('cpp')}")
+    cfg = data.draw(adversarial.config_st(kind, low=low))
+    for gs in cfg.groups:
+        gs.grad_dtype = gs.dtype
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        run = adversarial.Run(cfg, "cpp")
+        step = torch.compile(run.opt.step) if compiled else run.opt.step
+        for _ in range(3):
+            run.set_grads()
+            for g in run.opt.param_groups:
+                if not isinstance(g["lr"], torch.Tensor):
+                    g["lr"] = g["lr"] * 0.9
+            step()
+            run.steps_done += 1
+        ps = run.all_params()
+        runs.append([p.detach().clone() for p in ps]
+                    + [v for p in ps for v in (run.opt.state.get(p) or {}).values()])
+    assert len(runs[0]) == len(runs[1])
+    assert all(map(adversarial._bits_equal, *runs)), cfg
 
 
 def test_dtensor_params_put_into_a_group_in_place_step_as_uncompiled():
