@@ -139,6 +139,47 @@ def test_steps_equal_unflattened(kind, backend, flatten_after_first_step):
                for p in model.parameters())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+@pytest.mark.parametrize("flatten_after_first_step", [False, True])
+def test_compiled_steps_on_flattened_params_equal_the_unflattened(kind, backend,
+                                                                  flatten_after_first_step):
+    """The same under torch.compile: the compiled step on flattened params (slices of one
+    buffer, as are their grads) gives the uncompiled step's results on the unflattened twin, also
+    when the params move into the buffer between compiled steps (bit for bit on cpp; eager's
+    foreach operations are fused by inductor)."""
+    twin, model = Net(), Net()
+
+    def make(m):
+        ps = [p for p in m.parameters() if p.requires_grad]
+        if kind == "lamb":
+            return fusedopt.FusedLAMB(ps, lr=torch.tensor(1e-2), weight_decay=0.01,
+                                      backend=backend, max_grad_norm=1.0)
+        return fusedopt.FusedLARS(ps, lr=torch.tensor(0.5), weight_decay=1e-4, backend=backend,
+                                  max_grad_norm=1.0)
+
+    torch._dynamo.reset()
+    opt_twin, opt = make(twin), make(model)
+    step = torch.compile(opt.step)
+    flat = None if flatten_after_first_step else fusedopt.flatten_parameters(model)
+    for i in range(4):
+        twin(batch(i)).backward()
+        opt_twin.step()
+        model(batch(i)).backward()
+        step()
+        opt_twin.zero_grad(set_to_none=False)
+        if flat is None:
+            opt.zero_grad(set_to_none=False)
+            flat = fusedopt.flatten_parameters(model)
+        else:
+            flat.zero_grad()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            if backend == "cpp":
+                assert torch.equal(p, q), (kind, i)
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_zero_grad_reattaches_views():
     model = Net()
