@@ -300,9 +300,8 @@ class GradientAccumulationNoiseScale:
     each micro-batch loss being the *mean* over its examples. Under AMP's ``GradScaler``, pass
     its scale to :meth:`step` (``grad_scale=scaler.get_scale()``): the scale changes during
     training, and unscaled measurements keep each step's weight in the averages; the inf or NaN
-    gradients of a step the scaler skips are left out (``update_from_norms``).
-    ``accumulation`` says how the
-    micro-batch losses are combined: ``"mean"`` if each is divided by the number of
+    gradients of a step the scaler skips are left out (``update_from_norms``). ``accumulation``
+    says how the micro-batch losses are combined: ``"mean"`` if each is divided by the number of
     micro-batches (the usual practice: ``p.grad`` ends as the big-batch mean gradient), ``"sum"``
     if not. A wrong setting scales ``sq_norm_estimate`` and ``trace_estimate`` by the same factor
     (``n²``), so ``noise_scale`` itself does not depend on it; for the same reason a constant AMP
