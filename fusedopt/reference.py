@@ -186,7 +186,6 @@ class ReferenceLAMB(_Reference):
 
     def _update(self, h, st, w, g):
         b1, b2 = h["betas"]
-        lam = h["weight_decay"]
         t = st["step"]
         m = st.setdefault("exp_avg", torch.zeros_like(w))
         v = st.setdefault("exp_avg_sq", torch.zeros_like(w))
@@ -196,6 +195,14 @@ class ReferenceLAMB(_Reference):
         fmt = self._format(h, w)
         m.copy_(_store(fmt, m, root=False))
         v.copy_(_store(fmt, v, root=True, step=t, key=st["key"]))
+        self.apply(h, st, w)
+
+    @staticmethod
+    def apply(h, st, w):
+        """The update of ``w`` from the moments as stored (``st``: ``step``, ``exp_avg``,
+        ``exp_avg_sq`` after this step's moment update): the second half of a step."""
+        t, m, v, b1, b2 = st["step"], st["exp_avg"], st["exp_avg_sq"], *h["betas"]
+        lam = h["weight_decay"]
         if h["bias_correction"]:
             m_hat, v_hat = m / (1.0 - b1 ** t), v / (1.0 - b2 ** t)
         else:

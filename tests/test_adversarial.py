@@ -343,8 +343,26 @@ def _reference(run: Run, snap: dict):
     out = {}
     for i, (gi, pi, use_master) in where.items():
         if grads[gi][pi] is not None:
-            out[i] = (weights[gi][pi], ref.state[(gi, pi)], use_master)
+            out[i] = (weights[gi][pi], ref.state[(gi, pi)], use_master, ref.groups[gi])
     return out
+
+
+def _unexplained(run: Run, p, got: torch.Tensor, w0: torch.Tensor, h: dict, rs: dict, tol: float,
+                 floor: float) -> bool:
+    """Whether ``got`` (param ``p``'s weight after the step, which missed the reference) also
+    misses LAMB's update of ``w0`` (the weight before the step) computed in float64 from the
+    moments the backend stored; always for LARS. Where LAMB's moments cancel to rounding noise (β1·m + β3·g
+    exactly 0 in real numbers, as bf16 values can make it), the sign of u, and with it the
+    direction of the whole step ``lr·‖w‖·u/‖u‖``, is that noise's: the backend and the float64
+    reference then differ by up to ``2·lr·‖w‖`` while both follow the contract. The moments
+    themselves are compared with the reference; this compares the update they give."""
+    if run.cfg.kind != "lamb":
+        return True
+    st_ = run.opt.state[p]
+    w = w0.double().clone()
+    ReferenceLAMB.apply(h, {"step": rs["step"], "exp_avg": st_["exp_avg"].double(),
+                            "exp_avg_sq": st_["exp_avg_sq"].double()}, w)
+    return _close(got, w, tol, floor) is not None
 
 
 def _check_success(run: Run, before: dict, after: dict) -> list[str]:
@@ -377,17 +395,19 @@ def _check_success(run: Run, before: dict, after: dict) -> list[str]:
             if not _values_equal(before["params"][i], after["params"][i]):
                 errs.append(f"param {i} without grad changed")
             continue
-        w, rs, use_master = ref[i]
+        w, rs, use_master, h = ref[i]
+        w0 = st0["master_param"] if use_master else before["params"][i]
         if use_master:
             m = st_.get("master_param")
             if not isinstance(m, torch.Tensor):
                 errs.append(f"param {i}: master_param missing after the step")
             else:
                 e = _close(m, w, tol(torch.float32), w_floor)
-                if e:
+                if e and _unexplained(run, p, m, w0, h, rs, tol(torch.float32), w_floor):
                     errs.append(f"param {i} master vs reference: {e}")
-        e = _close(p, w, tol(p.dtype) if not use_master else max(_tol(p.dtype), 1e-5), w_floor)
-        if e:
+        p_tol = tol(p.dtype) if not use_master else max(_tol(p.dtype), 1e-5)
+        e = _close(p, w, p_tol, w_floor)
+        if e and _unexplained(run, p, p, w0, h, rs, p_tol, w_floor):
             errs.append(f"param {i} ({p.dtype}) vs reference: {e}")
         for k in STATE_KEYS[run.cfg.kind]:
             t = st_.get(k)
