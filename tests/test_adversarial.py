@@ -351,11 +351,11 @@ def _unexplained(run: Run, p, got: torch.Tensor, w0: torch.Tensor, h: dict, rs: 
                  floor: float) -> bool:
     """Whether ``got`` (param ``p``'s weight after the step, which missed the reference) also
     misses LAMB's update of ``w0`` (the weight before the step) computed in float64 from the
-    moments the backend stored; always for LARS. Where LAMB's moments cancel to rounding noise (β1·m + β3·g
-    exactly 0 in real numbers, as bf16 values can make it), the sign of u, and with it the
-    direction of the whole step ``lr·‖w‖·u/‖u‖``, is that noise's: the backend and the float64
-    reference then differ by up to ``2·lr·‖w‖`` while both follow the contract. The moments
-    themselves are compared with the reference; this compares the update they give."""
+    moments the backend stored; always for LARS. Where LAMB's moments cancel to rounding noise
+    (β1·m + β3·g exactly 0 in real numbers, as bf16 values can make it), the sign of u, and with
+    it the direction of the whole step ``lr·‖w‖·u/‖u‖``, is that noise's: the backend and the
+    float64 reference then differ by up to ``2·lr·‖w‖`` while both follow the contract. The
+    moments themselves are compared with the reference; this compares the update they give."""
     if run.cfg.kind != "lamb":
         return True
     st_ = run.opt.state[p]
@@ -367,7 +367,7 @@ def _unexplained(run: Run, p, got: torch.Tensor, w0: torch.Tensor, h: dict, rs: 
 
 def _check_success(run: Run, before: dict, after: dict) -> list[str]:
     errs = _check_untouched(run, before, after)
-    if run.cfg.precisions:  # the backends are compared bit for bit (_compare_backends)
+    if run.cfg.precisions:  # the backends are compared with each other (_compare_backends)
         return errs
     try:
         ref = _reference(run, before)
