@@ -1,9 +1,17 @@
-"""Low-precision optimizer state on the CPU: fusedopt LAMB and LARS with fp32, bf16 and 8-bit
-state beside torch's fused AdamW (fp32 state) and, where they are installed, bitsandbytes' and
-torchao's 8-bit optimizers, interleaved round by round on one parameter set.
+"""Low-precision optimizer state: fusedopt LAMB and LARS with fp32, bf16 and 8-bit state beside
+torch's fused AdamW (fp32 state) and, where they are installed, bitsandbytes' and torchao's 8-bit
+optimizers, interleaved round by round on one parameter set.
 
-    python bench/low_precision.py                 # BERT-base shapes, 15 rounds
+    python bench/low_precision.py                 # BERT-base shapes on the CPU, 15 rounds
     python bench/low_precision.py --rounds 30 --no-peers
+    python bench/low_precision.py --device cuda   # the triton and cuda backends on a GPU
+
+On the CPU the fusedopt rows run the cpp backend and each sample is one step; on a GPU they run
+every GPU backend that loads (triton, cuda) and each sample is ``--steps`` steps launched back to
+back, then one synchronization (the time per step of a training loop whose host runs ahead). A
+GPU run then says where each row's time goes: the host's time to enqueue a step (the calls return
+before the device finishes) and the device's kernel time per step (torch.profiler), so a row
+bound by the host or by latency rather than by memory traffic shows as such.
 
 GB/s use the bytes model of docs/math.md ("Minimum memory traffic"), extended to the formats;
 "of bw" is that against an in-place ``a.add_(c, alpha=s)`` timed in the same rounds. State memory
@@ -14,13 +22,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import statistics
+import sys
+import time
 import warnings
+from pathlib import Path
 
 import torch
 
-import fusedopt
-from fusedopt.backends import get_backend
-from fusedopt.tools.bench import (YARDSTICK, Result, bert_base_shapes, interleave, make_params,
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, installed or not
+import fusedopt  # noqa: E402
+from fusedopt.backends import get_backend  # noqa: E402
+from fusedopt.tools.bench import (YARDSTICK, Result, bert_base_shapes, interleave, make_params,  # noqa: E402
                                   print_table)
 
 # bytes per element and step (docs/math.md): fp32 params and grads; 8-bit adds its block scales
@@ -64,35 +77,85 @@ def peers(params):
     return out
 
 
+def where_the_time_goes(rows: dict, walls: dict, n: int, samples: int = 5) -> None:
+    """Per row on a GPU: wall ms/step (the interleaved median), the host's ms to enqueue a step,
+    the device's kernel ms and kernels per step (one profiled sample of ``n`` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    print(f"\n{'optimizer':40s} {'wall ms':>8s} {'host ms':>8s} {'kernel ms':>9s} "
+          f"{'kernels':>7s}  bound by")
+    for name, (_, opt, fn) in rows.items():
+        if opt is None:
+            continue
+        host = []
+        for _ in range(samples):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            host.append((time.perf_counter() - t0) * 1e3 / n)
+        torch.cuda.synchronize()
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    fn()
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernel_ms = sum(e.device_time_total for e in kernels) / 1e3 / n
+            count = len(kernels) / n
+        except Exception as e:  # noqa: BLE001 - the timings above stand without the profile
+            print(f"{name}: no profile ({type(e).__name__}: {e})")
+            kernel_ms, count = float("nan"), float("nan")
+        wall, host_ms = walls[name], statistics.median(host)
+        bound = ("host" if host_ms > 0.9 * wall else "kernels" if kernel_ms > 0.9 * wall
+                 else "neither alone")
+        print(f"{name:40s} {wall:8.3f} {host_ms:8.3f} {kernel_ms:9.3f} {count:7.1f}  {bound}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--no-peers", action="store_true", help="leave out bitsandbytes and torchao")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--steps", type=int, default=10,
+                    help="steps per timed sample on a GPU (default %(default)s)")
     args = ap.parse_args()
-    assert get_backend("cpp") is not None, "fusedopt._C is not built"
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    backends = ([b for b in ("triton", "cuda") if get_backend(b) is not None] if on_gpu
+                else ["cpp"])
+    assert backends, "no fused backend loads on " + args.device
+    n = args.steps if on_gpu else 1
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device "
+          f"{torch.cuda.get_device_name() if on_gpu else 'cpu'}, {n} step(s) per sample")
     shapes = bert_base_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
-    params = make_params(shapes, torch.device("cpu"))
-    a, c = torch.randn(numel), torch.randn(numel)
+    params = make_params(shapes, device)
+    a, c = torch.randn(numel, device=device), torch.randn(numel, device=device)
     rows = {YARDSTICK: (12, None, lambda: a.add_(c, alpha=1e-3))}
     adamw = torch.optim.AdamW(params, fused=True)
     rows["torch AdamW(fused=True), fp32 state"] = (MODEL["adamw"], adamw, adamw.step)
     for kind, cls, kw in (("lamb", fusedopt.FusedLAMB, {}),
                           ("lars", fusedopt.FusedLARS, dict(lr=0.1, weight_decay=1e-4))):
         for prec in ("full", "bf16", "8bit"):
-            opt = cls(params, backend="cpp", state_precision=prec, **kw)
-            name = {"full": "fp32"}.get(prec, prec)
-            rows[f"fusedopt {kind.upper()} [cpp], {name} state"] = (MODEL[(kind, prec)], opt,
-                                                                    opt.step)
-    fast = {k: fn for k, (_, _, fn) in rows.items()}
-    times = interleave(fast, torch.device("cpu"), args.rounds)
-    if not args.no_peers:  # minutes per step: a phase of their own, fewer rounds
+            for be in backends:
+                opt = cls(params, backend=be, state_precision=prec, **kw)
+                name = {"full": "fp32"}.get(prec, prec)
+                rows[f"fusedopt {kind.upper()} [{be}], {name} state"] = (
+                    MODEL[(kind, prec)], opt, opt.step)
+
+    def steps(fn):
+        return fn if n == 1 else lambda: [fn() for _ in range(n)]
+
+    fast = {k: steps(fn) for k, (_, _, fn) in rows.items()}
+    times = interleave(fast, device, args.rounds)
+    if not args.no_peers:  # minutes per step on the CPU: a phase of their own, fewer rounds
         slow = {label: (nbytes, opt, opt.step) for label, nbytes, opt in peers(params)}
-        times.update(interleave({k: fn for k, (_, _, fn) in slow.items()}, torch.device("cpu"),
+        times.update(interleave({k: steps(fn) for k, (_, _, fn) in slow.items()}, device,
                                 max(3, args.rounds // 5), warmup=1))
         rows.update(slow)
+    times = {k: [t / n for t in ts] for k, ts in times.items()}
     results = [Result(k, rows[k][0], t) for k, t in times.items()]
     print_table("bert-base", len(shapes), numel, results)
     adam_ms = Result("", 0, times["torch AdamW(fused=True), fp32 state"]).median
@@ -102,6 +165,8 @@ def main():
         if opt is not None:
             print(f"{r.name:40s} {state_bytes_per_param(opt, numel):13.2f} "
                   f"{r.median / adam_ms:11.3f}")
+    if on_gpu:
+        where_the_time_goes(rows, {r.name: r.median for r in results}, n)
 
 
 if __name__ == "__main__":

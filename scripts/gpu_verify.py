@@ -17,7 +17,10 @@ Steps, each in a process of its own with a time limit, in this order:
    on every device, then the speed table), its rows read from ``--json``; a failed row names
    the device, backend, optimizer, dtype and case;
 4. ``benchmark``: ``bench/bench_triton_gpu.py --json`` (triton, cuda and eager step times and
-   GB/s beside torch's fused AdamW and a device-to-device copy, in interleaved rounds).
+   GB/s beside torch's fused AdamW and a device-to-device copy, in interleaved rounds);
+5. ``low-precision benchmark``: ``bench/low_precision.py --device cuda --no-peers`` (fp32, bf16
+   and 8-bit state on the BERT-base shapes beside fused AdamW, with each row's host and kernel
+   time per step), its table in the output tail.
 
 It writes ``report.json`` and ``report.md`` into the output folder (default ``gpu_verify/``),
 with each step's status (passed, failed, skipped, error, timeout), its reason, its time, its
@@ -223,6 +226,14 @@ def benchmark(out_dir: Path, cuda: bool, timeout: float) -> dict:
     return _finished("benchmark", cmd, rc, out, seconds, timeout, **fields)
 
 
+def lowp_benchmark(cuda: bool, timeout: float) -> dict:
+    cmd = [sys.executable, "bench/low_precision.py", "--device", "cuda", "--no-peers"]
+    if not cuda:
+        return _skipped("low-precision benchmark", NO_DEVICE, cmd)
+    rc, out, seconds = _run(cmd, timeout, _without_interpreter())
+    return _finished("low-precision benchmark", cmd, rc, out, seconds, timeout)
+
+
 # ------------------------------------------------------------------------------ the report
 def markdown(report: dict) -> str:
     env, nan = report["environment"], float("nan")
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="more arguments of `python -m fusedopt check` (default: none, the full "
                          "mode), e.g. \"--quick --no-speed\"")
     ap.add_argument("--skip", action="append", default=[],
-                    choices=["gpu tests", "self-check", "benchmark"],
+                    choices=["gpu tests", "self-check", "benchmark", "low-precision benchmark"],
                     help="leave a step out (reported as skipped: asked to)")
     ap.add_argument("--require-gpu", action="store_true",
                     help="count a step skipped for want of a CUDA device as failed")
@@ -302,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("gpu tests", lambda: gpu_tests(out_dir, cuda, args.slow, args.timeout)),
             ("self-check", lambda: self_check(out_dir, shlex.split(args.check_args),
                                               args.timeout)),
-            ("benchmark", lambda: benchmark(out_dir, cuda, args.timeout))]
+            ("benchmark", lambda: benchmark(out_dir, cuda, args.timeout)),
+            ("low-precision benchmark", lambda: lowp_benchmark(cuda, args.timeout))]
     for name, run in plan:
         if name in args.skip:
             steps.append(_step(name, status="skipped", reason="asked to (--skip)", command="",

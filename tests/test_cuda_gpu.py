@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import fusedopt
-from fusedopt import backends
-from fusedopt.testing import (REL_TOL, SHAPES_SMALL, assert_within_rounding, max_rel_err,
-                              option_cases, run_backend)
+from fusedopt import backends, lowp
+from fusedopt.testing import (REL_TOL, SHAPES_SMALL, assert_within_rounding, make_inputs,
+                              max_rel_err, option_cases, run_backend, run_optimizer)
 
 LAMB_CASES, LARS_CASES = option_cases("lamb"), option_cases("lars")
 pytestmark = pytest.mark.gpu  # scripts/gpu_verify.py runs this file on a GPU
@@ -389,6 +389,41 @@ def test_results_do_not_depend_on_alignment():
             opt.step()
         out.append(p.detach().clone())
     assert torch.equal(out[0], out[1])
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_low_precision_state_follows_eager(kind, precision):
+    """bf16 and 8-bit state on the GPU (docs/math.md "Low-precision state"): the formats and the
+    random bits of the stochastic rounding are those of the eager backend (and of cpp, which
+    equals eager bit for bit), so over 4 steps the params agree with an eager run on the CPU to
+    float32 accuracy (the two reduce their norms in different orders, so the trust ratios differ
+    by rounding) and the stored moments decode to the eager values except where such a rounding
+    difference moves a value across a code boundary. Tensors of several chunks, blocks cut by a
+    tensor's end and a tensor under state_min_numel (fp32 state) in one launch.
+    tests/test_cuda_lowp.py checks every stored bit against cpp under the SIMT emulation."""
+    shapes = [(40, 130), (300,), (2 * CHUNK + 4099,), (7,)]
+    inputs = make_inputs(shapes, 4, seed=3)
+    hyper = dict(state_precision=precision, state_min_numel=256)
+    got, opt = run_optimizer(kind, "cuda", hyper, inputs, device="cuda")
+    want, ref = run_optimizer(kind, "eager", hyper, inputs)
+    for p, w in zip(got, want):
+        p = p.detach().cpu()
+        close = torch.isclose(p, w.detach(), rtol=2e-5, atol=2e-6)
+        assert close.float().mean() > 0.998, close.float().mean()
+        torch.testing.assert_close(p, w.detach(), rtol=0, atol=1e-4)
+    for p, w in zip(got, want):
+        for key, v in ref.state[w].items():
+            mine = opt.state[p][key]
+            if key == "step":
+                assert float(mine) == float(v)
+                continue
+            root = key == "exp_avg_sq"
+            a = lowp.read(mine, p.shape, root=root).cpu().double()
+            b = lowp.read(v, w.shape, root=root).double()
+            off = ~torch.isclose(a, b, rtol=1e-5, atol=1e-12)
+            assert off.float().mean() < 0.01, (key, off.float().mean())
 
 
 @gpu

@@ -33,8 +33,9 @@ def test_dry_run_on_the_cpu_writes_both_reports(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["environment", "gpu tests", "self-check", "benchmark"]
-    for name in ("gpu tests", "benchmark"):
+    assert list(steps) == ["environment", "gpu tests", "self-check", "benchmark",
+                           "low-precision benchmark"]
+    for name in ("gpu tests", "benchmark", "low-precision benchmark"):
         assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA device")
         assert steps[name]["command"]  # what it would have run
     check = steps["self-check"]
@@ -42,7 +43,7 @@ def test_dry_run_on_the_cpu_writes_both_reports(tmp_path):
     assert re.fullmatch(r"quick mode: (\d+) pass \(\1 rows\)", check["summary"]), check["summary"]
     assert report["ok"] and report["environment"]["cuda_available"] is False
     md = (tmp_path / "report.md").read_text()
-    assert "**PASS**" in md and md.count("skipped: no CUDA device") == 2
+    assert "**PASS**" in md and md.count("skipped: no CUDA device") == 3
     assert "gpu tests: skipped: no CUDA device" in out.stdout
 
 
@@ -54,7 +55,7 @@ def test_require_gpu_fails_a_run_without_a_device(tmp_path, monkeypatch):
     assert mod.main(argv) == 0
     assert mod.main(argv + ["--require-gpu"]) == 1
     steps = json.loads((tmp_path / "report.json").read_text())["steps"]
-    assert [s["status"] for s in steps] == ["passed", "skipped", "skipped", "skipped"]
+    assert [s["status"] for s in steps] == ["passed", "skipped", "skipped", "skipped", "skipped"]
     assert steps[2]["reason"] == "asked to (--skip)"
 
 

@@ -333,7 +333,7 @@ def test_tables_record_formats_and_keys_and_are_kept():
     """The records carry each tensor's format and key; a step with the same tensors builds no
     table, one whose state changed format builds new ones."""
     gen = torch.Generator().manual_seed(1)
-    params = [torch.randn(s, generator=gen, device=DEVICE) for s in ((300,), (600,), (40,))]
+    params = [torch.randn(s, generator=gen).to(DEVICE) for s in ((300,), (600,), (40,))]
     fmts = ["8bit", "full", "bf16"]
     ms = [lowp.zeros(p, f) for p, f in zip(params, fmts)]
     vs = [lowp.zeros(p, f) for p, f in zip(params, fmts)]
