@@ -253,6 +253,7 @@ class Emu:
             "simt_launch_lars_pass1": ([P, P, P, P, P], ctypes.c_int),
             "simt_launch_lars_pass2": ([P, P, P, P], ctypes.c_int),
             "simt_error_string": ([ctypes.c_int], ctypes.c_char_p),
+            "simt_unsupported_dtypes": ([P], ctypes.c_char_p),
             "simt_chunk_size": ([], I64),
             "simt_total_chunks": ([I64, P], I64),
             "simt_table_capacity": ([I32], I32),
@@ -1188,6 +1189,47 @@ def test_unsupported_combinations_are_refused(fresh, what):
     sums = torch.zeros(1, 2, dtype=b.compute)
     with pytest.raises(KernelError, match=f"error {NOT_SUPPORTED}"):
         fresh.run_pass(name, b, hyper, DeviceScalarsC(None, None, None), sums)
+
+
+def _binding_refuses(emu, b: "Lists") -> str | None:
+    keep = []
+    why = emu.lib.simt_unsupported_dtypes(ctypes.byref(b.ptrs(keep)))
+    return None if why is None else why.decode()
+
+
+def test_the_bindings_dtype_check_takes_what_the_backend_accepts(emu):
+    """The torch binding's last check of a bucket's dtypes (``unsupported_dtypes`` of
+    csrc/cuda/launch.h, called by ``check_supported`` in bindings.cpp) lets through every pass of
+    every step the Python backend accepts, as the binding fills its lists: pass 1 gets the
+    weights (fp32 masters where kept) and grads, no params; LAMB's pass 2 the weights and params,
+    no grads; LARS's pass 2 all three. Without masters, where pass 1 sees every dtype of the step,
+    it refuses exactly what the backend refuses."""
+    from fusedopt.backends.cuda import CudaBackend
+
+    accepts = CudaBackend.unavailable_reason  # a function of its arguments alone
+    dev = torch.device("cuda")
+    t = {d: [torch.zeros(4, dtype=d)] for d in DTYPE_CODE}
+    step = [torch.zeros((), dtype=torch.float32)]
+    seen = 0
+    for p in DTYPE_CODE:
+        for g in DTYPE_CODE:
+            ok = accepts(None, dev, p, g) is None
+            for masters in (False, True) if p in (torch.bfloat16, torch.float16) else (False,):
+                w = t[torch.float32] if masters else t[p]
+                params = t[p] if masters else None
+                passes = {
+                    "pass1": Lists(w, t[g], w, w, None, step, g),
+                    "lamb_pass2": Lists(w, None, w, w, params, step),
+                    "lars_pass2": Lists(w, t[g], w, None, params, step, g),
+                }
+                verdicts = {name: _binding_refuses(emu, b) for name, b in passes.items()}
+                label = f"params {p}, grads {g}, masters {masters}"
+                if ok:
+                    seen += 1
+                    assert verdicts == dict.fromkeys(passes), (label, verdicts)
+                elif not masters:
+                    assert verdicts["pass1"] is not None, label
+    assert seen == len(DTYPE_CONFIGS)
 
 
 # ============================================================================== determinism

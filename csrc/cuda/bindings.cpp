@@ -216,23 +216,11 @@ struct Pointers {
   }
 };
 
-// The combinations the kernels are built for (fusedopt/backends/cuda.py declines the others
-// before any state is created; this is the last line of defence): float64 weights with float64
-// grads; float32 params with float32/bfloat16/float16 grads; bfloat16/float16 params (with or
-// without fp32 masters) with grads of their own dtype or float32. Pass 1 is given no params, so
-// there float32 weights (params or masters) take any of the three grad dtypes.
+// fusedopt/backends/cuda.py declines the other dtype combinations before any state is created;
+// this is the last line of defence.
 void check_supported(const BucketPtrs& b) {
-  const bool wide = b.weight_dtype == DType::kFloat64;
-  TORCH_CHECK(b.grads == nullptr || wide == (b.grad_dtype == DType::kFloat64), kWho,
-              "float64 weights need float64 grads, and other weights non-float64 grads");
-  TORCH_CHECK(b.params == nullptr || (b.weight_dtype == DType::kFloat32 &&
-                                      (b.param_dtype == DType::kFloat16 ||
-                                       b.param_dtype == DType::kBFloat16)),
-              kWho, "master weights are float32 copies of bfloat16/float16 params");
-  const DType stored = b.params != nullptr ? b.param_dtype : b.weight_dtype;
-  TORCH_CHECK(b.grads == nullptr || b.grad_dtype == stored || b.grad_dtype == DType::kFloat32 ||
-                  (b.params == nullptr && b.weight_dtype == DType::kFloat32),
-              kWho, "bfloat16/float16 params need grads of their own dtype or float32");
+  const char* why = unsupported_dtypes(b);
+  TORCH_CHECK(why == nullptr, kWho, why);
 }
 
 const char* dtype_name(DType d) {

@@ -54,6 +54,25 @@ struct BucketPtrs {
   const int64_t* keys;
 };
 
+// Why the kernels have no build for a bucket's dtypes, or nullptr: float64 weights with float64
+// grads; float32 params with float32/bfloat16/float16 grads; bfloat16/float16 params (with or
+// without fp32 masters) with grads of their own dtype or float32. Pass 1 is given no params, so
+// there float32 weights (params or masters) take any of the three grad dtypes.
+inline const char* unsupported_dtypes(const BucketPtrs& b) {
+  const bool wide = b.weight_dtype == DType::kFloat64;
+  if (b.grads != nullptr && wide != (b.grad_dtype == DType::kFloat64))
+    return "float64 weights need float64 grads, and other weights non-float64 grads";
+  if (b.params != nullptr &&
+      !(b.weight_dtype == DType::kFloat32 &&
+        (b.param_dtype == DType::kFloat16 || b.param_dtype == DType::kBFloat16)))
+    return "master weights are float32 copies of bfloat16/float16 params";
+  const DType stored = b.params != nullptr ? b.param_dtype : b.weight_dtype;
+  if (b.grads != nullptr && b.grad_dtype != stored && b.grad_dtype != DType::kFloat32 &&
+      !(b.params == nullptr && b.weight_dtype == DType::kFloat32))
+    return "bfloat16/float16 params need grads of their own dtype or float32";
+  return nullptr;
+}
+
 // Scalars of a step that stay on the device: the kernels read them, the host never does.
 struct DeviceScalars {
   const void* grad_mult;   // 0-dim, compute dtype: every g is read as g * grad_mult (nullptr: 1)

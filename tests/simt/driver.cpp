@@ -64,6 +64,11 @@ int simt_launch_lars_pass2(const BucketPtrs* b, const LarsHyper* h, const Device
   return finish(fusedopt::cuda::launch_lars_pass2(*b, *h, *s, sums, nullptr));
 }
 
+// The binding's dtype check (check_supported in csrc/cuda/bindings.cpp): nullptr or the reason.
+const char* simt_unsupported_dtypes(const BucketPtrs* b) {
+  return fusedopt::cuda::unsupported_dtypes(*b);
+}
+
 const char* simt_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
 
 // -------------------------------------------------------------------- sizes and layouts
