@@ -5,6 +5,7 @@ optimizers, interleaved round by round on one parameter set.
     python bench/low_precision.py                 # BERT-base shapes on the CPU, 15 rounds
     python bench/low_precision.py --rounds 30 --no-peers
     python bench/low_precision.py --device cuda   # the triton and cuda backends on a GPU
+    python bench/low_precision.py --device cuda --no-peers --tiles 16384,1,2048,8 65536,1,4096,8
 
 On the CPU the fusedopt rows run the cpp backend and each sample is one step; on a GPU they run
 every GPU backend that loads (triton, cuda) and each sample is ``--steps`` steps launched back to
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, installed or not
 import fusedopt  # noqa: E402
 from fusedopt.backends import get_backend  # noqa: E402
+from fusedopt.kernels import tables  # noqa: E402
 from fusedopt.tools.bench import (YARDSTICK, Result, bert_base_shapes, interleave, make_params,  # noqa: E402
                                   print_table)
 
@@ -120,6 +122,10 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--steps", type=int, default=10,
                     help="steps per timed sample on a GPU (default %(default)s)")
+    ap.add_argument("--tiles", nargs="*", default=[], metavar="CHUNK,ROWS,BLOCK,WARPS",
+                    help="on a GPU, also LAMB rows of the triton backend with these tile sizes "
+                         "and warps per program (fusedopt/kernels/tables.py), timed in the same "
+                         "rounds")
     args = ap.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -144,6 +150,27 @@ def main():
                 name = {"full": "fp32"}.get(prec, prec)
                 rows[f"fusedopt {kind.upper()} [{be}], {name} state"] = (
                     MODEL[(kind, prec)], opt, opt.step)
+
+    default_tiles = (tables.CHUNK_SIZE, tables.ROWS, tables.BLOCK_SIZE, tables.NUM_WARPS)
+
+    def tiled(cfg, fn):
+        def run():  # the tables of each optimizer are its own, so alternating rebuilds none
+            tables.CHUNK_SIZE, tables.ROWS, tables.BLOCK_SIZE, tables.NUM_WARPS = cfg
+            fn()
+        return run
+
+    if args.tiles:
+        assert on_gpu and "triton" in backends, "--tiles needs a GPU and the triton backend"
+        for spec in args.tiles:
+            cfg = tuple(int(x) for x in spec.split(","))
+            for prec in ("full", "bf16", "8bit"):
+                opt = fusedopt.FusedLAMB(params, backend="triton", state_precision=prec)
+                name = {"full": "fp32"}.get(prec, prec)
+                rows[f"LAMB [triton {spec}], {name} state"] = (MODEL[("lamb", prec)], opt,
+                                                               tiled(cfg, opt.step))
+        for k in [k for k in rows if "[triton]" in k]:
+            nbytes, opt, fn = rows[k]
+            rows[k] = (nbytes, opt, tiled(default_tiles, fn))
 
     def steps(fn):
         return fn if n == 1 else lambda: [fn() for _ in range(n)]
