@@ -18,8 +18,11 @@ ERRORS = os.path.join(HERE, "fusedopt", "_build_errors.txt")
 # -fno-math-errno: GCC vectorizes sqrt only without errno (LAMB ran 4-6x slower without it).
 # -ffp-contract=off: no FMA contraction, so the ISA clones of the CPU kernels agree bit for bit
 # (Note [ISA clones] in csrc/cpu/multi_tensor.h). C++20 as torch 2.13 builds its extensions.
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden",
-             "-std=c++20"]
+# -g0 overrides the -g of Python's build flags: the debug info of the kernels' template
+# instances is eight times the object code and a third of the compile time (docs/performance.md,
+# "Building").
+CXX_FLAGS = ["-O3", "-g0", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
+             "-fvisibility=hidden", "-std=c++20"]
 
 
 def want_cuda() -> bool:
@@ -79,7 +82,7 @@ cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp")
 if cuda_sources and want_cuda():
     ext_modules.append(CUDAExtension(
         "fusedopt._cuda", cuda_sources, include_dirs=[os.path.join(HERE, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": ["-O3", "-std=c++20"]},
+        extra_compile_args={"cxx": ["-O3", "-g0", "-std=c++20"], "nvcc": ["-O3", "-std=c++20"]},
     ))
 print("fusedopt: building " + (", ".join(e.name for e in ext_modules) or "no compiled extension"))
 
