@@ -4,6 +4,11 @@ On a machine with an NVIDIA GPU, from the repository root, after the set-up of t
 
     python scripts/gpu_verify.py                       # reports in gpu_verify/
     python scripts/gpu_verify.py --out DIR --slow      # also the tests marked slow (2**31 elements)
+    python scripts/gpu_verify.py --build --jobs 4 --skip self-check   # a short lease, as it comes
+
+``--build`` first builds the extensions in place (``setup.py build_ext --inplace``, the CUDA one
+for this machine's GPU) with the torch already installed, for a machine that cannot install
+anything; ``--jobs N`` runs the GPU tests in N processes (pytest-xdist).
 
 Steps, each in a process of its own with a time limit, in this order:
 
@@ -159,10 +164,26 @@ def parse_junit(path: Path) -> dict:
     return dict(counts=counts, failures=failures, skips=skips)
 
 
-def gpu_tests(out_dir: Path, cuda: bool, slow: bool, timeout: float) -> dict:
+def build(cuda: bool, timeout: float) -> dict:
+    """``setup.py build_ext --inplace`` for this machine (its GPU's architecture, its cores)."""
+    env = dict(os.environ, MAX_JOBS=str(os.cpu_count() or 1))
+    if cuda and "TORCH_CUDA_ARCH_LIST" not in env:
+        import torch
+        env["TORCH_CUDA_ARCH_LIST"] = "{}.{}".format(*torch.cuda.get_device_capability())
+    cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
+    rc, out, seconds = _run(cmd, timeout, env)
+    errors = ROOT / "fusedopt" / "_build_errors.txt"
+    fields = {}
+    if rc == 0 and errors.exists():  # setup.py records a failed extension and goes on
+        fields = dict(status="failed", reason=errors.read_text().strip().splitlines()[0])
+    return _finished("build", cmd, rc, out, seconds, timeout, **fields)
+
+
+def gpu_tests(out_dir: Path, cuda: bool, slow: bool, timeout: float, jobs: int = 1) -> dict:
     junit = out_dir / "gpu_tests.xml"
     marker = "gpu" if slow else "gpu and not slow"
-    cmd = [sys.executable, "-m", "pytest", "-m", marker, "-p", "no:xdist", "-q", "-rfEs",
+    workers = ["-n", str(jobs)] if jobs > 1 else ["-p", "no:xdist"]
+    cmd = [sys.executable, "-m", "pytest", "-m", marker, *workers, "-q", "-rfEs",
            "-p", "no:cacheprovider", f"--junitxml={junit}", *GPU_TEST_FILES]
     if not cuda:
         return _skipped("gpu tests", NO_DEVICE, cmd)
@@ -295,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", action="append", default=[],
                     choices=["gpu tests", "self-check", "benchmark", "low-precision benchmark"],
                     help="leave a step out (reported as skipped: asked to)")
+    ap.add_argument("--build", action="store_true",
+                    help="first build the extensions in place with the installed torch")
+    ap.add_argument("--jobs", type=int, default=1, help="processes for the GPU tests")
     ap.add_argument("--require-gpu", action="store_true",
                     help="count a step skipped for want of a CUDA device as failed")
     ap.add_argument("--timeout", type=float, default=900.0,
@@ -305,12 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
 
+    steps = []
+    if args.build:  # before the environment step, which loads the backends into this process
+        import torch
+        print("build ...", flush=True)
+        steps.append(build(torch.cuda.is_available(), args.timeout))
+        print(f"build: {steps[-1]['status']} {steps[-1]['reason']}", flush=True)
     env = environment()
     cuda = bool(env["cuda_available"])
     print(f"environment: {json.dumps(env)}", flush=True)
-    steps = [_step("environment", status="passed", seconds=0.0, command="(in process)",
-                   summary=f"torch {env['torch']}, CUDA devices: {len(env['devices'])}")]
-    plan = [("gpu tests", lambda: gpu_tests(out_dir, cuda, args.slow, args.timeout)),
+    steps.append(_step("environment", status="passed", seconds=0.0, command="(in process)",
+                       summary=f"torch {env['torch']}, CUDA devices: {len(env['devices'])}"))
+    plan = [("gpu tests", lambda: gpu_tests(out_dir, cuda, args.slow, args.timeout, args.jobs)),
             ("self-check", lambda: self_check(out_dir, shlex.split(args.check_args),
                                               args.timeout)),
             ("benchmark", lambda: benchmark(out_dir, cuda, args.timeout)),

@@ -109,3 +109,30 @@ def test_a_step_that_times_out_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "_run", lambda cmd, timeout, env=None: (None, "partial", timeout))
     step = mod.benchmark(tmp_path, True, 5)
     assert (step["status"], step["reason"]) == ("timeout", "stopped after 5 s")
+
+
+def test_build_and_jobs_reach_their_commands(tmp_path, monkeypatch):
+    """--build runs setup.py build_ext --inplace first and reports it; a failed extension recorded
+    by setup.py fails the step; --jobs hands pytest-xdist its workers."""
+    mod = _module()
+    ran = []
+
+    def fake_run(cmd, timeout, env=None):
+        ran.append((cmd, env))
+        return 0, "", 0.1
+
+    monkeypatch.setattr(mod, "_run", fake_run)
+    step = mod.build(False, 10)
+    assert ran[-1][0][1:] == ["setup.py", "build_ext", "--inplace"]
+    assert "MAX_JOBS" in ran[-1][1]
+    errors = tmp_path / "fusedopt" / "_build_errors.txt"
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    assert step["status"] == "passed" and mod.build(False, 10)["status"] == "passed"
+    errors.parent.mkdir()
+    errors.write_text("fusedopt._cuda: CompileError: nvcc failed\n")
+    failed = mod.build(False, 10)
+    assert failed["status"] == "failed" and "nvcc failed" in failed["reason"]
+    mod.gpu_tests(tmp_path, True, False, 10, jobs=4)
+    assert ran[-1][0][ran[-1][0].index("-n") + 1] == "4"
+    mod.gpu_tests(tmp_path, True, False, 10)
+    assert "no:xdist" in ran[-1][0]
