@@ -6,6 +6,7 @@ optimizers, interleaved round by round on one parameter set.
     python bench/low_precision.py --rounds 30 --no-peers
     python bench/low_precision.py --device cuda   # the triton and cuda backends on a GPU
     python bench/low_precision.py --device cuda --no-peers --tiles 16384,1,2048,8 65536,1,4096,8
+    python bench/low_precision.py --device cuda --no-peers --graph   # each step also graphed
 
 On the CPU the fusedopt rows run the cpp backend and each sample is one step; on a GPU they run
 every GPU backend that loads (triton, cuda) and each sample is ``--steps`` steps launched back to
@@ -79,6 +80,21 @@ def peers(params):
     return out
 
 
+def captured(fn):
+    """``fn`` (one optimizer step) captured in a CUDA graph after warm-up steps on a side stream
+    (tables, compilation, state); returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def where_the_time_goes(rows: dict, walls: dict, n: int, samples: int = 5) -> None:
     """Per row on a GPU: wall ms/step (the interleaved median), the host's ms to enqueue a step,
     the device's kernel ms and kernels per step (one profiled sample of ``n`` steps)."""
@@ -126,6 +142,9 @@ def main():
                     help="on a GPU, also LAMB rows of the triton backend with these tile sizes "
                          "and warps per program (fusedopt/kernels/tables.py), timed in the same "
                          "rounds")
+    ap.add_argument("--graph", action="store_true",
+                    help="on a GPU, also each optimizer's step captured in a CUDA graph and "
+                         "replayed (the device's time without the host's), in the same rounds")
     args = ap.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -171,6 +190,15 @@ def main():
         for k in [k for k in rows if "[triton]" in k]:
             nbytes, opt, fn = rows[k]
             rows[k] = (nbytes, opt, tiled(default_tiles, fn))
+
+    if args.graph:
+        assert on_gpu, "--graph needs a GPU"
+        for name in [k for k, (_, opt, _) in rows.items() if opt is not None]:
+            nbytes, opt, fn = rows[name]
+            if isinstance(opt, torch.optim.AdamW):  # torch's fused AdamW captures when asked
+                opt = torch.optim.AdamW(params, fused=True, capturable=True)
+                fn = opt.step
+            rows[f"{name} (CUDA graph)"] = (nbytes, opt, captured(fn))
 
     def steps(fn):
         return fn if n == 1 else lambda: [fn() for _ in range(n)]
