@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, in
 import fusedopt  # noqa: E402
 from fusedopt.backends import get_backend  # noqa: E402
 from fusedopt.kernels import tables  # noqa: E402
-from fusedopt.tools.bench import (YARDSTICK, Result, bert_base_shapes, interleave, make_params,  # noqa: E402
-                                  print_table)
+from fusedopt.tools.bench import (  # noqa: E402
+    YARDSTICK, Result, bert_base_shapes, interleave, make_params, print_table,
+)
 
 # bytes per element and step (docs/math.md): fp32 params and grads; 8-bit adds its block scales
 SCALES = 8 / 256
