@@ -123,3 +123,19 @@ def test_both_architectures_and_consistent_reports(report):
     built = [r for r in report["results"] if "error" not in r]
     assert {r["ptx_target"] for r in built} <= {"sm_80", "sm_90a"}
     assert [_describe(r) for r in built if r["regs"] != r["ptxas_regs"]] == []
+
+
+def test_whole_tiles_of_8bit_state_move_eight_codes_per_access(report):
+    """Note [whole tiles] in fusedopt/kernels/common.py: every pass over low-precision state
+    (``LOWP``) built for aligned tables reads the 8-bit codes of the tiles that lie inside every
+    row eight to an instruction (``LDG.E.64``), and pass 1 and LARS's pass 2, which store them,
+    write them so (``STG.E.64``): a mask with a term per element would split them into one byte
+    each."""
+    lowp = {"lamb_pass1_kernel": ("LDG.E.64", "STG.E.64"), "lamb_pass2_kernel": ("LDG.E.64",),
+            "lars_pass2_kernel": ("LDG.E.64", "STG.E.64")}
+    built = [r for r in report["results"] if "error" not in r and r["name"] in lowp
+             and r["args"]["ALIGNED"] == "True" and r["args"]["LOWP"] == "True"]
+    assert {r["name"] for r in built} == set(lowp)
+    scalar = [_describe(r) for r in built
+              if not any(all(loop.get(form) for form in lowp[r["name"]]) for loop in r["loops"])]
+    assert not scalar, f"{len(scalar)} of {len(built)} builds:\n" + "\n".join(scalar)

@@ -180,6 +180,19 @@ def test_misaligned_state_matches_cpp(kind, monkeypatch):
     assert set(launches) == {True, False}
 
 
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_whole_tiles_and_the_rest_match_cpp(kind):
+    """Note [whole tiles] in fusedopt/kernels/common.py: a program whose every row is a chunk of
+    whole tiles (the shortest row ends exactly where the tiles walked without a per-element mask
+    end), beside rows that go on under the mask. A program fills its rows here (a padding row is
+    empty and leaves no whole tile), and the last row is longer than the others."""
+    rows = tables.ROWS if tables.ROWS > 1 else 4
+    tile = tables.BLOCK_SIZE
+    shapes = [(2 * tile,)] * (rows - 1) + [(2 * tile + tile // 2,)]
+    fmts = ["8bit", "bf16"] * (rows // 2) + ["8bit"] * (rows % 2)
+    _compare(kind, fmts, {}, shapes=shapes, steps=2)
+
+
 # ----------------------------------------------------------------------------------- LARS
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_lars_matches_cpp(fmt):

@@ -460,6 +460,28 @@ _USED = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _RES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _TARGET = re.compile(r"^\.target\s+(sm_\w+)", re.M)
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_BRANCH_TO = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
+_GLOBAL = re.compile(r"\b((?:LDG|STG)\.[\w.]+)")
+
+
+def loop_accesses(sass: str) -> list[dict]:
+    """The global loads and stores of each loop of a kernel's SASS (``cuobjdump -sass``: the
+    instructions from a backward branch's target to the branch), counted by form: ``LDG.E.128``
+    moves 16 bytes a thread, ``LDG.E.U8`` one byte (Note [whole tiles] in
+    fusedopt/kernels/common.py)."""
+    instrs = [(int(a, 16), text) for a, text in _INSTR.findall(sass)]
+    loops = []
+    for addr, text in instrs:
+        target = _BRANCH_TO.search(text)
+        if target is None or int(target[1], 16) >= addr:
+            continue
+        counts: dict[str, int] = {}
+        for a, t in instrs:
+            if int(target[1], 16) <= a <= addr and (m := _GLOBAL.search(t)):
+                counts[m[1]] = counts.get(m[1], 0) + 1
+        loops.append(counts)
+    return loops
 
 
 def _compile_one(task: dict) -> dict:
@@ -504,6 +526,9 @@ def _resources(ck, opts: dict, log: str) -> dict:
                              capture_output=True, text=True, check=True).stdout
         m = _RES.search(res)
         out.update(regs=int(m[1]), stack=int(m[2]), static_shared=int(m[3]), local=int(m[4]))
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+        out["loops"] = loop_accesses(sass)
         arch = _TARGET.search(ck.asm["ptx"])[1]
         if _FRAME.search(log) is None:
             ptx.write_text(ck.asm["ptx"])

@@ -191,7 +191,7 @@ def pass1_launches(kind: str, lists: Lists, hyper, grad_mult, found_inf, sums,
                   G_DTYPE=k.dtype[lists[1][0].dtype], RBLOCK=t.REDUCE_BLOCK)
         if kind == "lamb":
             kernel = k.lamb.lamb_pass1_kernel
-            kw.update(beta1=h["beta1"], beta2=h["beta2"], beta3=h["beta3"],
+            kw.update(LOWP=table.lowp, beta1=h["beta1"], beta2=h["beta2"], beta3=h["beta3"],
                       one_minus_beta2=h["one_minus_beta2"], eps=h["eps"],
                       lambda_in_u=h["lambda_in_u"],
                       flags=t.flags(BIAS_CORRECTION=h["bias_correction"] != 0))
@@ -210,7 +210,7 @@ def pass2_launches(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_in
     lr_kw, lr_tensor = _lr_args(lr if isinstance(lr, torch.Tensor) else h["lr"], dev)
     out = []
     for table in tabs:
-        kw = dict(_common(lists, table, found_inf), sums=sums, **lr_kw)
+        kw = dict(_common(lists, table, found_inf), sums=sums, LOWP=table.lowp, **lr_kw)
         on = {name: h[field] != 0 for name, field in (
             ("BIAS_CORRECTION", "bias_correction"), ("ADAPT", "adapt"), ("BOUNDED", "bounded"),
             ("COMBINED", "combined"), ("TRUST_CLIP", "trust_clip"), ("NESTEROV", "nesterov"),

@@ -5,6 +5,17 @@ A program owns ``ROWS`` consecutive chunks of the bucket (kernels/tables.py), on
 vectors broadcast along the row. It walks its chunks in tiles of ``BLOCK`` columns: without a
 mask when every row is a full chunk (so the loads can vectorise), else with a mask per row.
 
+Note [whole tiles]: a mask with a term per element (``offset < n`` for a runtime ``n``) makes
+Triton split every load and store of the tile into one instruction per element (scalar
+``LDG.E.U16`` for bf16 state, ``LDG.E.U8`` for 8-bit codes), eight times the memory instructions
+of the vector form. The low-precision loops, whose masks also select each row's state format,
+therefore walk the tiles that lie inside every row first, under a mask that is constant along
+the row, and the rest after, under the per-element one (``tile_range``, ``tile_mask``): the same
+tiles in the same order, so the same sums, with vector loads and stores in the first part
+(tests/test_triton_compile.py reads them in the machine code; docs/performance.md has the
+counts). A padding row holds 0 elements, so a program that has one walks every tile under the
+per-element mask.
+
 Note [two-stage norms]: each program reduces every row to the partial sums of its chunk (a fixed
 tree over the tile's columns) and stores them at the chunk's slot of ``partials``. It then adds
 1 to the int32 counter of each row's tensor; the row that brings a counter to the tensor's
@@ -114,6 +125,29 @@ def tiles3(start, BLOCK: tl.constexpr, QB: tl.constexpr):
     nb = tl.arange(0, BLOCK // QB)[None, :, None]
     k = tl.arange(0, QB)[None, None, :]
     return nb * QB + k, nb, start[:, None, None]
+
+
+@triton.jit
+def tile_range(PHASE: tl.constexpr, n, BLOCK: tl.constexpr):
+    """Note [whole tiles]: the offsets ``[lo, hi)`` of the tiles of ``PHASE`` in chunks of ``n``
+    elements (``[ROWS]``): 0, the tiles inside every row; 1, the rest."""
+    whole = tl.min(n, 0) // BLOCK * BLOCK
+    if PHASE == 0:
+        lo, hi = whole * 0, whole
+    else:
+        lo, hi = whole, tl.max(n, 0)
+    return lo, hi
+
+
+@triton.jit
+def tile_mask(PHASE: tl.constexpr, o, n3):
+    """Note [whole tiles]: which elements of a tile of ``PHASE`` at offsets ``o`` lie in their
+    rows of ``n3`` elements: in phase 0 all, by a mask constant along each row."""
+    if PHASE == 0:
+        inside = n3 >= 0
+    else:
+        inside = o < n3
+    return inside
 
 
 @triton.jit

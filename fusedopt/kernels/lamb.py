@@ -35,7 +35,7 @@ from .math import (
 from .common import (
     ADAPT, BIAS_CORRECTION, BOUNDED, FORMAT, GRAD, KEY, LR_TENSOR, MASTER, OUT, PARAM, PASS_KERNEL,
     STATE0, STATE1, STEP, any_row, chunks_of, finish_rows, flag, format_rows, load_tile, masked_sq,
-    round_to, state_ptrs, tensor_ptrs, tiles3,
+    round_to, state_ptrs, tensor_ptrs, tile_mask, tile_range, tiles3,
 )
 
 
@@ -155,29 +155,31 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
     full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
     acc_w = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
     acc_u = tl.full([ROWS, BLOCK // QBLOCK, QBLOCK], 0.0, tl.float32)
-    for off in range(0, tl.max(n, 0), BLOCK):
-        o = off + o3
-        inside = o < n3
-        if any_full:
-            sw, su = _pass1_tile(w3 + o, g3 + o, mf3 + o, vf3 + o, inside & full, gm, b1, b2, b3,
-                                 omb2, r1, r2, eps, lam, tl.float32)
-            acc_w += sw
-            acc_u += su
-        if any_half:
-            e = start3 + o
-            sw, su = _pass1_tile_bf16(w3 + o, g3 + o, mh + e, vh + e, inside & half, first + e,
-                                      base, gm, b1, b2, b3, omb2, r1, r2, eps, lam)
-            acc_w += sw
-            acc_u += su
-        if any_q8:
-            e = start3 + o
-            blk = (start3 + off) // QBLOCK + nb
-            bmask = ((off + nb * QBLOCK) < n3) & q8
-            sw, su = _pass1_tile_q8(w3 + o, g3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask,
-                                    inside & q8, first + e, base, gm, b1, b2, b3, omb2, r1, r2,
-                                    eps, lam)
-            acc_w += sw
-            acc_u += su
+    for phase in tl.static_range(2):  # Note [whole tiles] in common.py
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
+            o = off + o3
+            inside = tile_mask(phase, o, n3)
+            if any_full:
+                sw, su = _pass1_tile(w3 + o, g3 + o, mf3 + o, vf3 + o, inside & full, gm, b1, b2,
+                                     b3, omb2, r1, r2, eps, lam, tl.float32)
+                acc_w += sw
+                acc_u += su
+            if any_half:
+                e = start3 + o
+                sw, su = _pass1_tile_bf16(w3 + o, g3 + o, mh + e, vh + e, inside & half, first + e,
+                                          base, gm, b1, b2, b3, omb2, r1, r2, eps, lam)
+                acc_w += sw
+                acc_u += su
+            if any_q8:
+                e = start3 + o
+                blk = (start3 + off) // QBLOCK + nb
+                bmask = ((off + nb * QBLOCK) < n3) & q8
+                sw, su = _pass1_tile_q8(w3 + o, g3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask,
+                                        inside & q8, first + e, base, gm, b1, b2, b3, omb2, r1, r2,
+                                        eps, lam)
+                acc_w += sw
+                acc_u += su
     return (tl.sum(tl.reshape(acc_w, [ROWS, BLOCK]), 1),
             tl.sum(tl.reshape(acc_u, [ROWS, BLOCK]), 1))
 
@@ -196,7 +198,7 @@ def lamb_pass1_kernel(
     lambda_in_u: tl.float64,  # λ, or 0 for decoupled weight decay
     flags: tl.int32,  # BIAS_CORRECTION
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, CD: tl.constexpr,
-    HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr, LOWP: tl.constexpr,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
 ):
     """Moments, step counts and the per-tensor ``(‖w‖², ‖u‖²)`` of one LAMB step."""
@@ -214,7 +216,7 @@ def lamb_pass1_kernel(
     g_ptr = tensor_ptrs(rec, GRAD, G_DTYPE, ALIGNED) + start[:, None]
     m_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
     v_ptr = tensor_ptrs(rec, STATE1, CD, ALIGNED) + start[:, None]
-    if CD == tl.float32:  # low-precision state is float32 compute only
+    if LOWP:  # Note [state formats in the tables]: float32 compute only
         fmt = tl.load(rec + FORMAT).to(tl.int32)
         if any_row(fmt != 0):
             p_w, p_u = _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2,
@@ -309,22 +311,24 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps, lam
     mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
     vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
     full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
-    for off in range(0, tl.max(n, 0), BLOCK):
-        o = off + o3
-        inside = o < n3
-        if any_full:
-            _pass2_tile(w3 + o, p3 + o, mf3 + o, vf3 + o, inside & full, r1, r2, eps, lam, lr_phi,
-                        decay, P_DTYPE, tl.float32, HAS_MASTER)
-        if any_half:
-            e = start3 + o
-            _pass2_tile_bf16(w3 + o, p3 + o, mh + e, vh + e, inside & half, r1, r2, eps, lam,
-                             lr_phi, decay, P_DTYPE, HAS_MASTER)
-        if any_q8:
-            e = start3 + o
-            blk = (start3 + off) // QBLOCK + nb
-            bmask = ((off + nb * QBLOCK) < n3) & q8
-            _pass2_tile_q8(w3 + o, p3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask, inside & q8,
-                           r1, r2, eps, lam, lr_phi, decay, P_DTYPE, HAS_MASTER)
+    for phase in tl.static_range(2):  # Note [whole tiles] in common.py
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
+            o = off + o3
+            inside = tile_mask(phase, o, n3)
+            if any_full:
+                _pass2_tile(w3 + o, p3 + o, mf3 + o, vf3 + o, inside & full, r1, r2, eps, lam,
+                            lr_phi, decay, P_DTYPE, tl.float32, HAS_MASTER)
+            if any_half:
+                e = start3 + o
+                _pass2_tile_bf16(w3 + o, p3 + o, mh + e, vh + e, inside & half, r1, r2, eps, lam,
+                                 lr_phi, decay, P_DTYPE, HAS_MASTER)
+            if any_q8:
+                e = start3 + o
+                blk = (start3 + off) // QBLOCK + nb
+                bmask = ((off + nb * QBLOCK) < n3) & q8
+                _pass2_tile_q8(w3 + o, p3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask,
+                               inside & q8, r1, r2, eps, lam, lr_phi, decay, P_DTYPE, HAS_MASTER)
 
 
 @triton.jit(**PASS_KERNEL)
@@ -342,7 +346,7 @@ def lamb_pass2_kernel(
     ratio_lo: tl.float64, ratio_hi: tl.float64,
     flags: tl.int32,  # LR_TENSOR, BIAS_CORRECTION, ADAPT, BOUNDED
     P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
-    CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    LOWP: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Trust ratio ``φ`` from ``sums`` and the update ``w ← w·(1 − lr·λ_decoupled) − lr·φ·u``."""
     c, valid, i, rec, start, n, first, count, inc = chunks_of(
@@ -365,7 +369,7 @@ def lamb_pass2_kernel(
     p_ptr = tensor_ptrs(rec, PARAM, P_DTYPE, ALIGNED) + start[:, None]
     m_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
     v_ptr = tensor_ptrs(rec, STATE1, CD, ALIGNED) + start[:, None]
-    if CD == tl.float32:  # low-precision state is float32 compute only
+    if LOWP:  # Note [state formats in the tables]: float32 compute only
         fmt = tl.load(rec + FORMAT).to(tl.int32)
         if any_row(fmt != 0):
             _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps_c, lam, lr_phi,

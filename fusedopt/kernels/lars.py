@@ -22,7 +22,7 @@ from .math import (
 from .common import (
     ADAPT, COMBINED, FORMAT, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT, PARAM,
     PASS_KERNEL, STATE0, STEP, TRUST_CLIP, any_row, chunks_of, finish_rows, flag, format_rows,
-    load_tile, round_to, state_ptrs, tensor_ptrs, tiles3,
+    load_tile, round_to, state_ptrs, tensor_ptrs, tile_mask, tile_range, tiles3,
 )
 
 
@@ -180,22 +180,25 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, 
     add = add[:, None, None]
     vh, vs, vc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
     full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
-    for off in range(0, tl.max(n, 0), BLOCK):
-        o = off + o3
-        inside = o < n3
-        if any_full:
-            _pass2_tile(w3 + o, p3 + o, g3 + o, vf3 + o, inside & full, gm, ratio, lam, lr, mu,
-                        keep, add, P_DTYPE, tl.float32, HAS_MASTER, nesterov, lr_in_momentum)
-        if any_half:
-            _pass2_tile_bf16(w3 + o, p3 + o, g3 + o, vh + (start3 + o), inside & half, gm, ratio,
-                             lam, lr, mu, keep, add, P_DTYPE, HAS_MASTER, nesterov,
-                             lr_in_momentum)
-        if any_q8:
-            blk = (start3 + off) // QBLOCK + nb
-            bmask = ((off + nb * QBLOCK) < n3) & q8
-            _pass2_tile_q8(w3 + o, p3 + o, g3 + o, vs + blk, vc + (start3 + o), bmask,
-                           inside & q8, gm, ratio, lam, lr, mu, keep, add, P_DTYPE, HAS_MASTER,
-                           nesterov, lr_in_momentum)
+    for phase in tl.static_range(2):  # Note [whole tiles] in common.py
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
+            o = off + o3
+            inside = tile_mask(phase, o, n3)
+            if any_full:
+                _pass2_tile(w3 + o, p3 + o, g3 + o, vf3 + o, inside & full, gm, ratio, lam, lr,
+                            mu, keep, add, P_DTYPE, tl.float32, HAS_MASTER, nesterov,
+                            lr_in_momentum)
+            if any_half:
+                _pass2_tile_bf16(w3 + o, p3 + o, g3 + o, vh + (start3 + o), inside & half, gm,
+                                 ratio, lam, lr, mu, keep, add, P_DTYPE, HAS_MASTER, nesterov,
+                                 lr_in_momentum)
+            if any_q8:
+                blk = (start3 + off) // QBLOCK + nb
+                bmask = ((off + nb * QBLOCK) < n3) & q8
+                _pass2_tile_q8(w3 + o, p3 + o, g3 + o, vs + blk, vc + (start3 + o), bmask,
+                               inside & q8, gm, ratio, lam, lr, mu, keep, add, P_DTYPE,
+                               HAS_MASTER, nesterov, lr_in_momentum)
 
 
 @triton.jit(**PASS_KERNEL)
@@ -214,7 +217,7 @@ def lars_pass2_kernel(
     eps: tl.float64,
     flags: tl.int32,  # LR_TENSOR, ADAPT, COMBINED, TRUST_CLIP, NESTEROV, LR_IN_MOMENTUM
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, CD: tl.constexpr,
-    HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_MASTER: tl.constexpr, ALIGNED: tl.constexpr, LOWP: tl.constexpr,
     CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Trust ratio from ``sums``, ``d = ratio·(g + λw)``, the momentum update and ``w ← w − step``."""
@@ -240,7 +243,7 @@ def lars_pass2_kernel(
     p_ptr = tensor_ptrs(rec, PARAM, P_DTYPE, ALIGNED) + start[:, None]
     g_ptr = tensor_ptrs(rec, GRAD, G_DTYPE, ALIGNED) + start[:, None]
     v_ptr = tensor_ptrs(rec, STATE0, CD, ALIGNED) + start[:, None]
-    if CD == tl.float32:  # low-precision state is float32 compute only
+    if LOWP:  # Note [state formats in the tables]: float32 compute only
         fmt = tl.load(rec + FORMAT).to(tl.int32)
         if any_row(fmt != 0):
             _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, lr_c, mu,

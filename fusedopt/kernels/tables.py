@@ -70,7 +70,10 @@ state list) and ``KEY``, the tensor's key in the random bits of stochastic round
 first element stepped, docs/math.md "Random bits"), and the kernels branch on them per
 program: a program whose rows are all full-state runs the code it ran before formats existed,
 and one with a low-precision row runs each format present among its rows with a mask per row
-(on the GPU a program has one row, so one format). No specialization is added. An 8-bit tensor's
+(on the GPU a program has one row, so one format). The pass kernels over state take one
+constexpr, ``LOWP``: whether the table holds a low-precision record. A launch without one
+compiles no low-precision loop, whose registers would otherwise hold down the full-state loop's
+occupancy (docs/triton_kernels.md gives the registers of each build). An 8-bit tensor's
 codes start ``q8_codes_offset(numel)`` bytes into its packed tensor, which the kernels compute
 from ``NUMEL``. Its blocks of 256 elements count from the tensor's first element: chunks start
 at multiples of ``CHUNK_SIZE`` and tiles at multiples of ``BLOCK_SIZE`` within a chunk, so both
@@ -239,6 +242,7 @@ class Table:
     owner: torch.Tensor  # int32 [num_programs * ROWS], -1 past the last chunk
     counters: torch.Tensor  # int32 [n], zero between launches
     aligned: bool  # every data pointer (not the steps) is a multiple of 16 bytes
+    lowp: bool = False  # some record's state is low-precision (Note [state formats in the tables])
     _host: tuple = ()  # the pinned sources of the non-blocking copies, kept alive with the table
     _partials: dict = field(default_factory=dict)
 
@@ -320,7 +324,8 @@ def _build(device: torch.device, columns: list[Sequence[int]], numels: Sequence[
     owner_d, owner_h = _upload(owner, device)
     return Table(device=device, n=n, num_chunks=c, num_programs=programs, records=records_d,
                  owner=owner_d, counters=torch.zeros(n, dtype=torch.int32, device=device),
-                 aligned=aligned, _host=(records_h, owner_h))
+                 aligned=aligned, lowp=formats is not None and any(formats[i] for i in idx),
+                 _host=(records_h, owner_h))
 
 
 def _partition(columns: list[Sequence[int]], n: int) -> list[tuple[list[int], bool]]:
