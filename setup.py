@@ -18,9 +18,9 @@ ERRORS = os.path.join(HERE, "fusedopt", "_build_errors.txt")
 # -fno-math-errno: GCC vectorizes sqrt only without errno (LAMB ran 4-6x slower without it).
 # -ffp-contract=off: no FMA contraction, so the ISA clones of the CPU kernels agree bit for bit
 # (Note [ISA clones] in csrc/cpu/multi_tensor.h). C++20 as torch 2.13 builds its extensions.
-# -g0 overrides the -g of Python's build flags: the debug info of the kernels' template
-# instances is eight times the object code and a third of the compile time (docs/performance.md,
-# "Building").
+# -g0 overrides the -g of Python's build flags: the debug info of the kernels' many template
+# instances is most of the object and of its compile time, and never changes the code
+# (docs/performance.md, "Building").
 CXX_FLAGS = ["-O3", "-g0", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
              "-fvisibility=hidden", "-std=c++20"]
 
