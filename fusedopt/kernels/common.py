@@ -133,7 +133,7 @@ def tile_range(PHASE: tl.constexpr, n, BLOCK: tl.constexpr):
     elements (``[ROWS]``): 0, the tiles inside every row; 1, the rest."""
     whole = tl.min(n, 0) // BLOCK * BLOCK
     if PHASE == 0:
-        lo, hi = whole * 0, whole
+        lo, hi = 0, whole
     else:
         lo, hi = whole, tl.max(n, 0)
     return lo, hi
