@@ -68,16 +68,19 @@ def report(request, tmp_path_factory):
         return json.loads((entry / "report.json").read_text())
     out = tmp_path_factory.mktemp("triton_compile") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # a session of its own, so that a timeout ends the helper's compiler processes too (killing
-    # the helper alone leaves them compiling, orphaned, beside the tests that follow)
+    # a session of its own, so that a timeout or an interrupted run ends the helper's compiler
+    # processes too (killing the helper alone leaves them compiling, orphaned, beside the tests
+    # that follow)
     proc = subprocess.Popen([sys.executable, str(HELPER), "--json", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+    except BaseException as e:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
         pytest.fail(f"tests/triton_compile.py took over {TIMEOUT_S} s and was stopped with its "
                     f"compiler processes:\n{stdout[-4000:]}\n{stderr[-8000:]}")
     if not out.exists():
