@@ -16,6 +16,7 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,25 @@ KEEP = 4
 # read by gcc / nvcc / Triton / LLVM: they can change what a build produces
 ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_", "NVCC_", "CUDA_", "FUSEDOPT_", "CPATH", "C_INCLUDE_PATH",
                 "CPLUS_INCLUDE_PATH", "LIBRARY_PATH", "GCC_", "COMPILER_PATH")
+
+
+def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` with the
+    command in a session of its own, so that a timeout or an interrupted run (any exception while
+    waiting) kills its whole process group: a compiler driver killed alone leaves its children
+    (cc1plus, cicc, ptxas, a pool of Triton compilers) running as orphans beside the tests that
+    follow. Raises ``subprocess.TimeoutExpired`` (with the output so far) after a timeout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException as e:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 class Hasher:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from build_cache import run
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_FILE = "tests/test_cuda_emulated.py"
@@ -162,7 +163,7 @@ def run_step_tests(csrc: Path, work: Path, first_failure: bool = False) -> Outco
         cmd.append("-x")
     env = {**os.environ, "FUSEDOPT_CSRC_DIR": str(csrc)}
     start = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    p = run(cmd, TIMEOUT_S, cwd=ROOT, env=env)
     out = Outcome(seconds=time.perf_counter() - start, output=p.stdout + p.stderr)
     if not report.is_file():
         out.errors.append(("pytest", f"exit status {p.returncode}, no report"))

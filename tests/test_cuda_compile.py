@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-from build_cache import Cache, Hasher
+from build_cache import Cache, Hasher, run
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -65,7 +65,7 @@ def _cuda_include() -> Path | None:
 
 
 def _run(cmd: list[str]) -> tuple[int, str]:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    p = run(cmd, TIMEOUT_S)
     return p.returncode, p.stdout + p.stderr
 
 

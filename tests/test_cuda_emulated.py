@@ -29,7 +29,6 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from build_cache import Cache, Hasher
+from build_cache import Cache, Hasher, run
 from fusedopt import _hyper
 from fusedopt.reference import ReferenceLAMB, ReferenceLARS
 from fusedopt.testing import (
@@ -100,7 +99,7 @@ def _compile(src: Path, obj: Path) -> tuple[int, str]:
     lang = ["-x", "c++"] if src.suffix == ".cu" else []
     cmd = [CXX, *CXX_FLAGS, *EXTRA_FLAGS, "-MD", "-MF", str(obj.with_suffix(".d")), *lang,
            "-c", str(src), "-o", str(obj)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    p = run(cmd, BUILD_TIMEOUT_S)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -125,8 +124,7 @@ def _build_into(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     logs = {_name(s): log for s, (_, log) in zip(sources, results)}
     for s, (rc, log) in zip(sources, results):
         assert rc == 0, f"{CXX} failed on {s}:\n{log[-6000:]}"
-    p = subprocess.run([CXX, "-shared", *EXTRA_FLAGS, "-o", str(out / LIB), *map(str, objs)],
-                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    p = run([CXX, "-shared", *EXTRA_FLAGS, "-o", str(out / LIB), *map(str, objs)], BUILD_TIMEOUT_S)
     assert p.returncode == 0, f"linking the emulation failed:\n{p.stdout}{p.stderr}"
     deps = {}
     for s, o in zip(sources, objs):

@@ -24,14 +24,13 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from build_cache import Cache, Hasher
+from build_cache import Cache, Hasher, run
 
 ROOT = Path(__file__).resolve().parents[1]
 HELPER = ROOT / "tests" / "triton_compile.py"
@@ -68,27 +67,17 @@ def report(request, tmp_path_factory):
         return json.loads((entry / "report.json").read_text())
     out = tmp_path_factory.mktemp("triton_compile") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # a session of its own, so that a timeout or an interrupted run ends the helper's compiler
-    # processes too (killing the helper alone leaves them compiling, orphaned, beside the tests
-    # that follow)
-    proc = subprocess.Popen([sys.executable, str(HELPER), "--json", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except BaseException as e:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        if not isinstance(e, subprocess.TimeoutExpired):
-            raise
+        p = run([sys.executable, str(HELPER), "--json", str(out)], TIMEOUT_S, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired as e:
         pytest.fail(f"tests/triton_compile.py took over {TIMEOUT_S} s and was stopped with its "
-                    f"compiler processes:\n{stdout[-4000:]}\n{stderr[-8000:]}")
+                    f"compiler processes:\n{e.stdout[-4000:]}\n{e.stderr[-8000:]}")
     if not out.exists():
-        pytest.fail(f"tests/triton_compile.py failed (exit {proc.returncode}):\n"
-                    f"{stdout[-4000:]}\n{stderr[-8000:]}")
+        pytest.fail(f"tests/triton_compile.py failed (exit {p.returncode}):\n"
+                    f"{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
     # only a run that passed (every build, no spills, full coverage) whose inputs did not change
     # while it ran
-    if proc.returncode == 0 and _inputs_key() == key:
+    if p.returncode == 0 and _inputs_key() == key:
         cache.store(key, lambda d: shutil.copyfile(out, d / "report.json"))
     return json.loads(out.read_text())
 
