@@ -9,9 +9,12 @@ that succeeded is stored, so a build that fails runs (and fails) again on every 
 make a test faster, never greener. An entry is written to a staging directory and renamed into
 place, so concurrent runs never see half of one; the ``KEEP`` most recently used entries of each
 kind are kept.
+
+:func:`run` is how those tests start their compilers: in a process group that a timeout ends.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import os
@@ -41,7 +44,8 @@ def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except BaseException as e:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # every process of the group gone already
+            os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         if isinstance(e, subprocess.TimeoutExpired):
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None

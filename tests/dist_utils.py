@@ -7,10 +7,12 @@ single-process references run inside each worker, on full tensors with the same 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +64,7 @@ def run_job(out_dir: str, backends: list[str], timeout: float = 300.0, only: str
                 [sys.executable, os.path.join(here, script), str(r), str(WORLD), str(port),
                  out_dir, ",".join(backends), only],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True,  # a kill reaches the processes a worker started too
             )
             for r in range(WORLD)
         ]
@@ -72,7 +75,8 @@ def run_job(out_dir: str, backends: list[str], timeout: float = 300.0, only: str
                 out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 for q in procs:
-                    q.kill()
+                    with contextlib.suppress(ProcessLookupError):  # every process gone already
+                        os.killpg(q.pid, signal.SIGKILL)
                 out, _ = p.communicate()
                 out += f"\n[killed after {timeout:.0f} s]"
             logs.append(out)

@@ -32,6 +32,7 @@ def _alive(pid: int) -> bool:
 def test_a_timeout_stops_the_children_too():
     with pytest.raises(subprocess.TimeoutExpired) as e:
         run([sys.executable, "-c", DRIVER], timeout=10)
+    assert e.value.stdout, f"the driver started no child within the limit: {e.value.stderr}"
     child = int(e.value.stdout.split()[0])
     deadline = time.monotonic() + 10
     while _alive(child) and time.monotonic() < deadline:
