@@ -7,6 +7,7 @@ optimizers, interleaved round by round on one parameter set.
     python bench/low_precision.py --device cuda   # the triton and cuda backends on a GPU
     python bench/low_precision.py --device cuda --no-peers --tiles 16384,1,2048,8 65536,1,4096,8
     python bench/low_precision.py --device cuda --no-peers --graph   # each step also graphed
+    python bench/low_precision.py --resident --no-peers   # a cache-resident set: compute alone
 
 On the CPU the fusedopt rows run the cpp backend and each sample is one step; on a GPU they run
 every GPU backend that loads (triton, cuda) and each sample is ``--steps`` steps launched back to
@@ -143,6 +144,10 @@ def main():
                     help="on a GPU, also LAMB rows of the triton backend with these tile sizes "
                          "and warps per program (fusedopt/kernels/tables.py), timed in the same "
                          "rounds")
+    ap.add_argument("--resident", action="store_true",
+                    help="two tensors of 2^19 elements, which stay in the caches (on a GPU in "
+                         "its L2), instead of BERT-base's shapes: a row's time is then its "
+                         "compute and latency, not its memory traffic; --steps steps per sample")
     ap.add_argument("--graph", action="store_true",
                     help="on a GPU, also each optimizer's step captured in a CUDA graph and "
                          "replayed (the device's time without the host's), in the same rounds")
@@ -152,10 +157,10 @@ def main():
     backends = ([b for b in ("triton", "cuda") if get_backend(b) is not None] if on_gpu
                 else ["cpp"])
     assert backends, "no fused backend loads on " + args.device
-    n = args.steps if on_gpu else 1
+    n = args.steps if on_gpu or args.resident else 1
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device "
           f"{torch.cuda.get_device_name() if on_gpu else 'cpu'}, {n} step(s) per sample")
-    shapes = bert_base_shapes()
+    shapes = [(1 << 19,)] * 2 if args.resident else bert_base_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
     params = make_params(shapes, device)
     a, c = torch.randn(numel, device=device), torch.randn(numel, device=device)
@@ -213,7 +218,7 @@ def main():
         rows.update(slow)
     times = {k: [t / n for t in ts] for k, ts in times.items()}
     results = [Result(k, rows[k][0], t) for k, t in times.items()]
-    print_table("bert-base", len(shapes), numel, results)
+    print_table("resident" if args.resident else "bert-base", len(shapes), numel, results)
     adam_ms = Result("", 0, times["torch AdamW(fused=True), fp32 state"]).median
     print(f"\n{'optimizer':40s} {'state B/param':>13s} {'ms / AdamW':>11s}")
     for r in results:
