@@ -25,7 +25,9 @@ Steps, each in a process of its own with a time limit, in this order:
    GB/s beside torch's fused AdamW and a device-to-device copy, in interleaved rounds);
 5. ``low-precision benchmark``: ``bench/low_precision.py --device cuda --no-peers`` (fp32, bf16
    and 8-bit state on the BERT-base shapes beside fused AdamW, with each row's host and kernel
-   time per step), its table in the output tail.
+   time per step), then the same with ``--resident`` (a set that stays in the GPU's L2: a row
+   that takes as long per element there as on BERT-base is bound by latency or instructions,
+   not by memory traffic), their tables in the output tail.
 
 It writes ``report.json`` and ``report.md`` into the output folder (default ``gpu_verify/``),
 with each step's status (passed, failed, skipped, error, timeout), its reason, its time, its
@@ -126,18 +128,24 @@ def _step(name: str, **fields) -> dict:
     return dict(name=name, status=fields.pop("status"), reason=fields.pop("reason", ""), **fields)
 
 
-def _skipped(name: str, reason: str, command: list[str]) -> dict:
-    return _step(name, status="skipped", reason=reason, command=shlex.join(command), seconds=0.0)
+def _command(cmd: list) -> str:
+    """A command (a list of str) or several run one after the other (a list of them) as text."""
+    return " && ".join(map(shlex.join, cmd)) if cmd and isinstance(cmd[0], list) else \
+        shlex.join(cmd)
 
 
-def _finished(name: str, cmd: list[str], rc: int | None, out: str, seconds: float,
-              timeout: float, **fields) -> dict:
+def _skipped(name: str, reason: str, command: list) -> dict:
+    return _step(name, status="skipped", reason=reason, command=_command(command), seconds=0.0)
+
+
+def _finished(name: str, cmd: list, rc: int | None, out: str, seconds: float,
+              timeout: float, tail_lines: int = TAIL_LINES, **fields) -> dict:
     status = fields.pop("status", "passed" if rc == 0 else "failed")
     reason = fields.pop("reason", "" if rc in (0, None) else f"exit status {rc}")
     if rc is None:
         status, reason = "timeout", f"stopped after {timeout:.0f} s"
-    return _step(name, status=status, reason=reason, command=shlex.join(cmd), returncode=rc,
-                 seconds=round(seconds, 1), output_tail=_tail(out), **fields)
+    return _step(name, status=status, reason=reason, command=_command(cmd), returncode=rc,
+                 seconds=round(seconds, 1), output_tail=_tail(out, tail_lines), **fields)
 
 
 # ------------------------------------------------------------------------------ the steps
@@ -248,11 +256,18 @@ def benchmark(out_dir: Path, cuda: bool, timeout: float) -> dict:
 
 
 def lowp_benchmark(cuda: bool, timeout: float) -> dict:
-    cmd = [sys.executable, "bench/low_precision.py", "--device", "cuda", "--no-peers"]
+    bert = [sys.executable, "bench/low_precision.py", "--device", "cuda", "--no-peers"]
+    cmds = [bert, [*bert, "--resident"]]
     if not cuda:
-        return _skipped("low-precision benchmark", NO_DEVICE, cmd)
-    rc, out, seconds = _run(cmd, timeout, _without_interpreter())
-    return _finished("low-precision benchmark", cmd, rc, out, seconds, timeout)
+        return _skipped("low-precision benchmark", NO_DEVICE, cmds)
+    rc, outs, seconds = 0, [], 0.0
+    for cmd in cmds:  # the resident run after a failed or stopped one too: it may tell why
+        one_rc, out, one_seconds = _run(cmd, timeout, _without_interpreter())
+        outs.append(f"$ {shlex.join(cmd)}\n{_tail(out)}")
+        seconds += one_seconds
+        rc = one_rc if rc == 0 else rc
+    return _finished("low-precision benchmark", cmds, rc, "\n".join(outs), seconds, timeout,
+                     tail_lines=len(cmds) * (TAIL_LINES + 1))
 
 
 # ------------------------------------------------------------------------------ the report

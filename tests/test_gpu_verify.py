@@ -38,6 +38,7 @@ def test_dry_run_on_the_cpu_writes_both_reports(tmp_path):
     for name in ("gpu tests", "benchmark", "low-precision benchmark"):
         assert (steps[name]["status"], steps[name]["reason"]) == ("skipped", "no CUDA device")
         assert steps[name]["command"]  # what it would have run
+    assert steps["low-precision benchmark"]["command"].endswith("--no-peers --resident")
     check = steps["self-check"]
     assert check["status"] == "passed" and check["mode"] == "quick" and not check["failures"]
     assert re.fullmatch(r"quick mode: (\d+) pass \(\1 rows\)", check["summary"]), check["summary"]
