@@ -54,6 +54,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the steps' process-group runner is the build tests'
+from build_cache import run  # noqa: E402
 # The files holding tests marked ``gpu`` (pytest -m gpu selects them inside these files).
 GPU_TEST_FILES = ["tests/test_triton.py", "tests/test_triton_lowp.py", "tests/test_cuda_gpu.py"]
 NO_DEVICE = "no CUDA device"
@@ -106,16 +108,14 @@ def environment() -> dict:
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, float]:
-    """``(returncode or None on timeout, stdout+stderr, seconds)``."""
+    """``(returncode or None on timeout, stdout+stderr, seconds)``; a timeout stops the command
+    with every process it started (the build's compilers, pytest's xdist workers)."""
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env=env)
+        p = run(cmd, timeout, cwd=ROOT, env=env)
         return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"") + (e.stderr or b"")
-        out = out.decode(errors="replace") if isinstance(out, bytes) else out
-        return None, out, time.perf_counter() - t0
+        return None, e.stdout + e.stderr, time.perf_counter() - t0
 
 
 def _without_interpreter() -> dict:

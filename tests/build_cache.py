@@ -10,7 +10,8 @@ make a test faster, never greener. An entry is written to a staging directory an
 place, so concurrent runs never see half of one; the ``KEEP`` most recently used entries of each
 kind are kept.
 
-:func:`run` is how those tests start their compilers: in a process group that a timeout ends.
+:func:`run` is how those tests, and the steps of scripts/gpu_verify.py, start their commands: in a
+process group that a timeout ends.
 """
 from __future__ import annotations
 
