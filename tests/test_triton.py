@@ -96,6 +96,33 @@ def test_full_programs_take_the_unmasked_path(kind, monkeypatch):
     assert max_rel_err(params, ref) <= tols(torch.float32)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's calls of tile_lanes; on a "
+                                            "GPU the kernels run compiled")
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_whole_tiles_of_short_chunks_run_unmasked(kind, monkeypatch):
+    """Note [whole tiles] in fusedopt/kernels/common.py: in chunks shorter than CHUNK_SIZE the tiles
+    that lie inside every row run without a mask too (on a GPU: vector loads), the rest under the
+    per-element mask, in every full-state loop (sq_norms for clipping, both passes)."""
+    from fusedopt.kernels import common, lamb, lars
+    phases, tile_lanes = [], common.tile_lanes
+
+    def recorded(phase, o, n):
+        phases.append(int(phase))
+        return tile_lanes(phase, o, n)
+
+    for module in (common, lamb, lars):
+        monkeypatch.setattr(module, "tile_lanes", recorded)
+    monkeypatch.setattr(tables, "ROWS", 2)
+    tile = tables.BLOCK_SIZE
+    hyper = dict(max_grad_norm=1.0, **({} if kind == "lamb" else LARS_CASES["default"]))
+    params, ref, _ = _run(kind, hyper, shapes=[(2 * tile + tile // 2,), (5 * tile // 2,)],
+                          steps=1)
+    assert max_rel_err(params, ref) <= tols(torch.float32)
+    assert tables.CHUNK_SIZE > 3 * tile
+    # three loops (sq_norms, pass 1, pass 2), each two whole tiles and one masked one
+    assert sorted(phases) == [0] * 6 + [1] * 3
+
+
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_learning_rate_tensor(kind):
     hyper = {} if kind == "lamb" else LARS_CASES["default"]

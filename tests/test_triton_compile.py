@@ -130,6 +130,20 @@ def test_both_architectures_and_consistent_reports(report):
     assert [_describe(r) for r in built if r["regs"] != r["ptxas_regs"]] == []
 
 
+def test_whole_tiles_of_full_state_move_sixteen_bytes_per_access(report):
+    """Note [whole tiles] in fusedopt/kernels/common.py: every build over full state for aligned
+    tables (the norms of ``sq_norms`` too) has a loop, the one over the tiles inside every row,
+    that loads 16 bytes to an instruction (``LDG.E.128``): a per-element mask there would split
+    them into one element each."""
+    built = [r for r in report["results"] if "error" not in r
+             and r["args"]["ALIGNED"] == "True" and r["args"].get("LOWP") != "True"]
+    assert {r["name"] for r in built} == {"lamb_pass1_kernel", "lamb_pass2_kernel",
+                                          "lars_pass1_kernel", "lars_pass2_kernel",
+                                          "sq_norms_kernel"}
+    scalar = [_describe(r) for r in built if not any(loop.get("LDG.E.128") for loop in r["loops"])]
+    assert not scalar, f"{len(scalar)} of {len(built)} builds:\n" + "\n".join(scalar)
+
+
 def test_whole_tiles_of_8bit_state_move_eight_codes_per_access(report):
     """Note [whole tiles] in fusedopt/kernels/common.py: every pass over low-precision state
     (``LOWP``) built for aligned tables reads the 8-bit codes of the tiles that lie inside every

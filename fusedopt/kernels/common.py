@@ -2,19 +2,20 @@
 
 A program owns ``ROWS`` consecutive chunks of the bucket (kernels/tables.py), one per row of its
 ``[ROWS, BLOCK]`` tiles; per-tensor values (pointers, step counts, trust ratios) are ``[ROWS]``
-vectors broadcast along the row. It walks its chunks in tiles of ``BLOCK`` columns: without a
-mask when every row is a full chunk (so the loads can vectorise), else with a mask per row.
+vectors broadcast along the row. It walks its chunks in tiles of ``BLOCK`` columns (Note [whole
+tiles]).
 
 Note [whole tiles]: a mask with a term per element (``offset < n`` for a runtime ``n``) makes
-Triton split every load and store of the tile into one instruction per element (scalar
-``LDG.E.U16`` for bf16 state, ``LDG.E.U8`` for 8-bit codes), eight times the memory instructions
-of the vector form. The low-precision loops, whose masks also select each row's state format,
-therefore walk the tiles that lie inside every row first, under a mask that is constant along
-the row, and the rest after, under the per-element one (``tile_range``, ``tile_mask``): the same
-tiles in the same order, so the same sums, with vector loads and stores in the first part
-(tests/test_triton_compile.py reads them in the machine code; docs/performance.md has the
-counts). A padding row holds 0 elements, so a program that has one walks every tile under the
-per-element mask.
+Triton split every load and store of the tile into one instruction per element (``LDG.E`` for
+float32, ``LDG.E.U16`` for bf16 state, ``LDG.E.U8`` for 8-bit codes), four (float32) to eight
+times the memory instructions of the vector form. Every loop therefore walks the tiles that lie
+inside every row first, without a mask (full state: ``tile_lanes``) or under one that is
+constant along the row (the low-precision loops, whose masks also select each row's state
+format: ``tile_mask``), and the rest after, under the per-element one (``tile_range``): the
+same tiles in the same order as one masked walk, so the same sums (a masked-off lane adds 0),
+with vector loads and stores in the first part (tests/test_triton_compile.py reads them in the
+machine code; docs/performance.md has the counts). A padding row holds 0 elements, so a program
+that has one walks every tile under the per-element mask.
 
 Note [two-stage norms]: each program reduces every row to the partial sums of its chunk (a fixed
 tree over the tile's columns) and stores them at the chunk's slot of ``partials``. It then adds
@@ -151,6 +152,17 @@ def tile_mask(PHASE: tl.constexpr, o, n3):
 
 
 @triton.jit
+def tile_lanes(PHASE: tl.constexpr, o, n):
+    """Note [whole tiles]: the mask of a full-state tile of ``PHASE`` at offsets ``o`` (``[1,
+    BLOCK]``) in rows of ``n`` elements (``[ROWS]``): None (no mask) in phase 0."""
+    if PHASE == 0:
+        lanes = None
+    else:
+        lanes = o < n[:, None]
+    return lanes
+
+
+@triton.jit
 def state_ptrs(rec, COLUMN: tl.constexpr, ALIGNED: tl.constexpr, QB: tl.constexpr):
     """The pointers of the state in column COLUMN as each low-precision format reads it, as
     ``[ROWS, 1, 1]`` columns: bf16 bits (uint16), and the 8-bit scales (float32) and codes (int8
@@ -280,13 +292,11 @@ def sq_norms_kernel(
     x_ptr = tensor_ptrs(rec, PARAM, X_DTYPE, ALIGNED) + start[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     acc = tl.full([ROWS, BLOCK], 0.0, CD)
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
-            x = tl.load(x_ptr + (off + cols)).to(CD)
-            acc += x * x
-    else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            x = tl.load(x_ptr + (off + cols), mask=off + cols < n[:, None], other=0.0).to(CD)
+    for phase in tl.static_range(2):  # Note [whole tiles]
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
+            o = off + cols
+            x = load_tile(x_ptr + o, tile_lanes(phase, o, n)).to(CD)
             acc += x * x
     p = tl.sum(acc, 1)
     finish_rows(partials, counters, sums, c, valid, i, rec, first, count, p, p, 1, ROWS, RBLOCK)

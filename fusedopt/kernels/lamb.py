@@ -35,7 +35,7 @@ from .math import (
 from .common import (
     ADAPT, BIAS_CORRECTION, BOUNDED, FORMAT, GRAD, KEY, LR_TENSOR, MASTER, OUT, PARAM, PASS_KERNEL,
     STATE0, STATE1, STEP, any_row, chunks_of, finish_rows, flag, format_rows, load_tile, masked_sq,
-    round_to, state_ptrs, tensor_ptrs, tile_mask, tile_range, tiles3,
+    round_to, state_ptrs, tensor_ptrs, tile_lanes, tile_mask, tile_range, tiles3,
 )
 
 
@@ -57,24 +57,19 @@ def _pass1_tile(w_ptr, g_ptr, m_ptr, v_ptr, mask, gm, beta1, beta2, beta3, one_m
 
 @triton.jit
 def _pass1_full(w_ptr, g_ptr, m_ptr, v_ptr, n, gm, b1, b2, b3, omb2, r1, r2, eps, lam,
-                CD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 1 over the program's chunks with full state: the rows' ``(Σw², Σu²)``; unmasked tiles
-    when every row is a whole chunk. ``r1``, ``r2``: ``[ROWS, 1]``."""
+                CD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1 over the program's chunks with full state: the rows' ``(Σw², Σu²)``. ``r1``, ``r2``:
+    ``[ROWS, 1]``."""
     cols = tl.arange(0, BLOCK)[None, :]
     acc_w = tl.full([ROWS, BLOCK], 0.0, CD)
     acc_u = tl.full([ROWS, BLOCK], 0.0, CD)
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
+    for phase in tl.static_range(2):  # Note [whole tiles] in common.py
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
             o = off + cols
-            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, None, gm, b1, b2, b3,
-                                 omb2, r1, r2, eps, lam, CD)
-            acc_w += sw
-            acc_u += su
-    else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            o = off + cols
-            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], gm, b1,
-                                 b2, b3, omb2, r1, r2, eps, lam, CD)
+            sw, su = _pass1_tile(w_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o,
+                                 tile_lanes(phase, o, n), gm, b1, b2, b3, omb2, r1, r2, eps, lam,
+                                 CD)
             acc_w += sw
             acc_u += su
     return tl.sum(acc_w, 1), tl.sum(acc_u, 1)
@@ -223,10 +218,10 @@ def lamb_pass1_kernel(
                                    b3, omb2, r1, r2, eps_c, lam, ALIGNED, ROWS, BLOCK)
         else:
             p_w, p_u = _pass1_full(w_ptr, g_ptr, m_ptr, v_ptr, n, gm, b1, b2, b3, omb2,
-                                   r1[:, None], r2[:, None], eps_c, lam, CD, CHUNK, ROWS, BLOCK)
+                                   r1[:, None], r2[:, None], eps_c, lam, CD, ROWS, BLOCK)
     else:
         p_w, p_u = _pass1_full(w_ptr, g_ptr, m_ptr, v_ptr, n, gm, b1, b2, b3, omb2, r1[:, None],
-                               r2[:, None], eps_c, lam, CD, CHUNK, ROWS, BLOCK)
+                               r2[:, None], eps_c, lam, CD, ROWS, BLOCK)
     last = finish_rows(partials, counters, sums, c, valid, i, rec, first, count, p_w, p_u, 2, ROWS,
                        RBLOCK)
     tl.store(step_ptr, t, mask=last)
@@ -253,20 +248,16 @@ def _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE: tl.constexpr, HAS_MASTER: tl.c
 @triton.jit
 def _pass2_full(w_ptr, p_ptr, m_ptr, v_ptr, n, r1, r2, eps, lam, lr_phi, decay,
                 P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr,
-                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 2 over the program's chunks with full state; unmasked tiles when every row is a
-    whole chunk. ``r1``, ``r2``, ``lr_phi``: ``[ROWS, 1]``."""
+                BLOCK: tl.constexpr):
+    """Pass 2 over the program's chunks with full state. ``r1``, ``r2``, ``lr_phi``:
+    ``[ROWS, 1]``."""
     cols = tl.arange(0, BLOCK)[None, :]
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
+    for phase in tl.static_range(2):  # Note [whole tiles] in common.py
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
             o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, None, r1, r2, eps, lam, lr_phi,
-                        decay, P_DTYPE, CD, HAS_MASTER)
-    else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, o < n[:, None], r1, r2, eps,
-                        lam, lr_phi, decay, P_DTYPE, CD, HAS_MASTER)
+            _pass2_tile(w_ptr + o, p_ptr + o, m_ptr + o, v_ptr + o, tile_lanes(phase, o, n), r1,
+                        r2, eps, lam, lr_phi, decay, P_DTYPE, CD, HAS_MASTER)
 
 
 @triton.jit
@@ -376,7 +367,7 @@ def lamb_pass2_kernel(
                         decay, P_DTYPE, HAS_MASTER, ALIGNED, ROWS, BLOCK)
         else:
             _pass2_full(w_ptr, p_ptr, m_ptr, v_ptr, n, r1[:, None], r2[:, None], eps_c, lam,
-                        lr_phi[:, None], decay, P_DTYPE, CD, HAS_MASTER, CHUNK, BLOCK)
+                        lr_phi[:, None], decay, P_DTYPE, CD, HAS_MASTER, BLOCK)
     else:
         _pass2_full(w_ptr, p_ptr, m_ptr, v_ptr, n, r1[:, None], r2[:, None], eps_c, lam,
-                    lr_phi[:, None], decay, P_DTYPE, CD, HAS_MASTER, CHUNK, BLOCK)
+                    lr_phi[:, None], decay, P_DTYPE, CD, HAS_MASTER, BLOCK)

@@ -22,7 +22,7 @@ from .math import (
 from .common import (
     ADAPT, COMBINED, FORMAT, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT, PARAM,
     PASS_KERNEL, STATE0, STEP, TRUST_CLIP, any_row, chunks_of, finish_rows, flag, format_rows,
-    load_tile, round_to, state_ptrs, tensor_ptrs, tile_mask, tile_range, tiles3,
+    load_tile, round_to, state_ptrs, tensor_ptrs, tile_lanes, tile_mask, tile_range, tiles3,
 )
 
 
@@ -69,16 +69,12 @@ def lars_pass1_kernel(
     cols = tl.arange(0, BLOCK)[None, :]
     acc_w = tl.full([ROWS, BLOCK], 0.0, CD)
     acc_g = tl.full([ROWS, BLOCK], 0.0, CD)
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
+    for phase in tl.static_range(2):  # Note [whole tiles] in common.py
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
             o = off + cols
-            sw, sg = _pass1_tile(w_ptr + o, g_ptr + o, None, gm, lam, CD, combined)
-            acc_w += sw
-            acc_g += sg
-    else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            o = off + cols
-            sw, sg = _pass1_tile(w_ptr + o, g_ptr + o, o < n[:, None], gm, lam, CD, combined)
+            sw, sg = _pass1_tile(w_ptr + o, g_ptr + o, tile_lanes(phase, o, n), gm, lam, CD,
+                                 combined)
             acc_w += sw
             acc_g += sg
     last = finish_rows(partials, counters, sums, c, valid, i, rec, first, count, tl.sum(acc_w, 1),
@@ -109,20 +105,17 @@ def _pass2_tile(w_ptr, p_ptr, g_ptr, v_ptr, mask, gm, ratio, lam, lr, mu, keep, 
 @triton.jit
 def _pass2_full(w_ptr, p_ptr, g_ptr, v_ptr, n, gm, ratio, lam, lr, mu, keep, add,
                 P_DTYPE: tl.constexpr, CD: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov,
-                lr_in_momentum, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 2 over the program's chunks with a full buffer; unmasked tiles when every row is a
-    whole chunk. ``ratio``, ``keep``, ``add``: ``[ROWS, 1]``."""
+                lr_in_momentum, BLOCK: tl.constexpr):
+    """Pass 2 over the program's chunks with a full buffer. ``ratio``, ``keep``, ``add``:
+    ``[ROWS, 1]``."""
     cols = tl.arange(0, BLOCK)[None, :]
-    if tl.min(n, 0) == CHUNK:
-        for off in range(0, CHUNK, BLOCK):
+    for phase in tl.static_range(2):  # Note [whole tiles] in common.py
+        lo, hi = tile_range(phase, n, BLOCK)
+        for off in range(lo, hi, BLOCK):
             o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, g_ptr + o, v_ptr + o, None, gm, ratio, lam, lr, mu,
-                        keep, add, P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum)
-    else:
-        for off in range(0, tl.max(n, 0), BLOCK):
-            o = off + cols
-            _pass2_tile(w_ptr + o, p_ptr + o, g_ptr + o, v_ptr + o, o < n[:, None], gm, ratio,
-                        lam, lr, mu, keep, add, P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum)
+            _pass2_tile(w_ptr + o, p_ptr + o, g_ptr + o, v_ptr + o, tile_lanes(phase, o, n), gm,
+                        ratio, lam, lr, mu, keep, add, P_DTYPE, CD, HAS_MASTER, nesterov,
+                        lr_in_momentum)
 
 
 @triton.jit
@@ -252,7 +245,7 @@ def lars_pass2_kernel(
         else:
             _pass2_full(w_ptr, p_ptr, g_ptr, v_ptr, n, gm, ratio[:, None], lam, lr_c, mu,
                         keep[:, None], add[:, None], P_DTYPE, CD, HAS_MASTER, nesterov,
-                        lr_in_momentum, CHUNK, BLOCK)
+                        lr_in_momentum, BLOCK)
     else:
         _pass2_full(w_ptr, p_ptr, g_ptr, v_ptr, n, gm, ratio[:, None], lam, lr_c, mu, keep[:, None],
-                    add[:, None], P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum, CHUNK, BLOCK)
+                    add[:, None], P_DTYPE, CD, HAS_MASTER, nesterov, lr_in_momentum, BLOCK)
