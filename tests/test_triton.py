@@ -114,11 +114,11 @@ def test_whole_tiles_of_short_chunks_run_unmasked(kind, monkeypatch):
         monkeypatch.setattr(module, "tile_lanes", recorded)
     monkeypatch.setattr(tables, "ROWS", 2)
     tile = tables.BLOCK_SIZE
+    assert tables.CHUNK_SIZE > 3 * tile  # the tensors below are one short chunk each
     hyper = dict(max_grad_norm=1.0, **({} if kind == "lamb" else LARS_CASES["default"]))
     params, ref, _ = _run(kind, hyper, shapes=[(2 * tile + tile // 2,), (5 * tile // 2,)],
                           steps=1)
     assert max_rel_err(params, ref) <= tols(torch.float32)
-    assert tables.CHUNK_SIZE > 3 * tile
     # three loops (sq_norms, pass 1, pass 2), each two whole tiles and one masked one
     assert sorted(phases) == [0] * 6 + [1] * 3
 
