@@ -9,6 +9,7 @@ One tensor at a time, written straight from the formulas, with no code shared wi
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
@@ -59,60 +60,95 @@ def _mix(x: int) -> int:
 def _random_bits(step: int, key: int, n: int) -> list[int]:
     base = _mix(_mix(0x9E3779B9 ^ (step & 0xFFFFFFFF)) ^ (key & 0xFFFFFFFF))
     first = key >> 32  # docs/math.md, "Random bits": the index of the first element stepped
-    return [_mix(base ^ ((first + e) & 0xFFFFFFFF)) for e in range(n)]
+    return [(base + ((first + e) & 0xFFFFFFFF) * 0x9E3779B9) & 0xFFFFFFFF for e in range(n)]
 
 
 def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def _minifloat(y: float, mant: int, frac_round) -> int | None:
-    """Code ``(k + 15)·2^mant + j`` of ``y`` ≈ ``2^k·(1 + j/2^mant)`` (``frac_round`` rounds
-    ``j``); None below the smallest magnitude ``2^-15``."""
-    if y == 0.0:
-        return None
-    fr, e = math.frexp(y)  # y = fr·2^e, fr in [0.5, 1)
-    k, j = e - 1, frac_round((2.0 * fr - 1.0) * (1 << mant))
-    return (k + 15) * (1 << mant) + j
-
-
 def _rne(x: float) -> int:
     return round(x)  # Python rounds halves to even
 
 
-def _quantize_signed(x: list[float]) -> list[float]:
-    """One block of a signed moment through the E4M3 map, values out."""
+_P_TINY = 2.0 ** -64
+
+
+def _prescaled(a: float, c: float) -> tuple[float, float]:
+    """``P`` and ``q = c / (a·P)`` of a block whose largest magnitude is ``a`` (docs/math.md)."""
+    p = 2.0 ** 64 if a < _P_TINY else 1.0
+    return p, (_f32(c / _f32(a * p)) if a > 0 else 0.0)
+
+
+def _quantize_direction(x: list[float]) -> list[float]:
+    """One block of LAMB's direction ``d`` through the linear map, values out."""
     a = max(abs(_f32(v)) for v in x)
     if not math.isfinite(a):
         return [math.nan] * len(x)
-    f = _f32(a / 1.875) if a > 0 else 0.0
-    q = _f32(1.875 / _f32(a)) if a > 0 else 0.0
+    f = _f32(a / 127.0)
+    p, q = _prescaled(a, 127.0)
+    return [_f32(max(-127, min(127, _rne(_f32(_f32(_f32(v) * p) * q)))) * f) for v in x]
+
+
+def _float_of(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _bits_of(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0] & 0x7FFFFFFF
+
+
+def _quantize_root(s: list[float], bits: list[int] | None) -> list[float]:
+    """One block of roots ``s = √v`` (float32 values) through the root map, values out: the bit
+    patterns of the stored values lie ``2^sh`` apart below the block's largest."""
+    b = [_bits_of(x) if not math.isnan(x) else 0x7FC00000 for x in s]
+    top = max(b)
+    if top >= 0x7F800000:
+        return [math.nan] * len(s)
+    low = min((x for x in b if x > 0), default=top)
+    low = max(low, top - (24 << 23))
+    sh = next(k for k in range(21) if top - low <= 254 << k)
     out = []
-    for v in x:
-        c = _minifloat(_f32(abs(_f32(v)) * q), 3, _rne)
-        c = 0 if c is None or c < 1 else min(c, 127)
-        mag = 0.0 if c == 0 else 2.0 ** (c // 8 - 15) * (1 + (c % 8) / 8)
-        out.append(_f32(math.copysign(mag, v) * f))
+    for i, x in enumerate(b):
+        if x == 0:
+            out.append(0.0)
+            continue
+        r = ((bits[i] >> 1) >> (31 - sh)) if bits is not None else (1 << sh) >> 1
+        k = min((top - x + r) >> sh, 254)
+        out.append(_float_of(max(top - (k << sh), 0)))
     return out
 
 
-def _quantize_root(v: list[float], bits: list[int] | None) -> list[float]:
-    """One block of LAMB's v through the E4M4 map of √v: the square roots ``s`` out."""
-    s = [_f32(math.sqrt(_f32(x))) if math.isfinite(x) else x for x in v]
-    top = max(s)
-    if not math.isfinite(top):
-        return [math.nan] * len(v)
-    f = _f32(top / 1.9375) if top > 0 else 0.0
-    q = _f32(1.9375 / _f32(top)) if top > 0 else 0.0
+def _dynamic_value(mag: int) -> float:
+    """``V[mag]`` of LARS's dynamic map (docs/math.md), float32 operations."""
+    if mag == 0 or mag == 127:
+        return float(mag // 127)
+    level = mag.bit_length() - 1
+    n = 63 if level == 6 else 1 << level
+    return _f32(_f32(1.0 + _f32((7.0 * (mag - (1 << level) + 0.5)) / n)) * 8.0 ** -(7 - level))
+
+
+def _quantize_dynamic(x: list[float]) -> list[float]:
+    """One block of LARS's buffer through the dynamic map of base 8, values out."""
+    a = max(abs(_f32(v)) for v in x)
+    if not math.isfinite(a):
+        return [math.nan] * len(x)
+    p, q = _prescaled(a, 1.0)
     out = []
-    for i, x in enumerate(s):
-        if bits is None:
-            c = _minifloat(_f32(x * q), 4, _rne)
+    for v in x:
+        y = _f32(_f32(abs(_f32(v)) * p) * q)
+        if y >= 1.0:
+            mag = 127
+        elif y == 0.0 or y < 8.0 ** -7:
+            mag = 0
         else:
-            r = (bits[i] >> 13) / 2.0 ** 19
-            c = _minifloat(_f32(x * q), 4, lambda j: math.floor(j + r))
-        c = 0 if c is None or c < 0 else min(c, 255)
-        out.append(_f32(2.0 ** (c // 16 - 15) * (1 + (c % 16) / 16) * f))
+            e2 = math.frexp(y)[1] - 1  # y in [2^e2, 2^(e2+1))
+            t = (-e2 - 1) // 3
+            level, n = 6 - t, (63 if t == 0 else 1 << (6 - t))
+            z = y * 8.0 ** (t + 1)
+            j = min(math.floor(_f32((z - 1.0) * _f32(n / 7.0))), n - 1)
+            mag = (1 << level) + j
+        out.append(_f32(math.copysign(_dynamic_value(mag) * a, v) if mag else 0.0))
     return out
 
 
@@ -127,8 +163,9 @@ def _bf16_stochastic(x: float, bits: int) -> float:
     return _f32(math.copysign(y, x))
 
 
-def _store(fmt: str, x: torch.Tensor, *, root: bool, step: int = 0, key: int = 0) -> torch.Tensor:
-    """A moment rounded to its format (values, float64; ``root``: LAMB's v, returned as v)."""
+def _store(fmt: str, x: torch.Tensor, how: str, *, step: int = 0, key: int = 0) -> torch.Tensor:
+    """A moment rounded to its format (values, float64). ``how``: for bf16 "nearest" or
+    "stochastic"; for 8-bit the map, "direction", "root" (``x`` holds roots) or "dynamic"."""
     if fmt == "full":
         return x
     # bf16 v draws its bits by the order of the param's elements in memory (x has the layout of
@@ -137,22 +174,22 @@ def _store(fmt: str, x: torch.Tensor, *, root: bool, step: int = 0, key: int = 0
     dims = sorted(range(x.dim()), key=lambda d: -x.stride(d)) if fmt == "bf16" else range(x.dim())
     xm = x.permute(*dims)
     flat = [_f32(float(v)) for v in xm.reshape(-1)]
-    bits = _random_bits(step, key, len(flat)) if root else None
-    if fmt == "bf16":
-        if root:
-            out = [_bf16_stochastic(v, b) for v, b in zip(flat, bits)]
-        else:
-            out = [float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16)) for v in flat]
+    bits = _random_bits(step, key, len(flat)) if how in ("stochastic", "root") else None
+    if how == "stochastic":
+        out = [_bf16_stochastic(v, b) for v, b in zip(flat, bits)]
+    elif how == "nearest":
+        out = [float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16)) for v in flat]
     else:
+        block = {"direction": _quantize_direction, "dynamic": _quantize_dynamic}.get(how)
         out = []
         for lo in range(0, len(flat), _BLOCK):
             blk = flat[lo:lo + _BLOCK]
-            if root:
-                out += [s * s for s in _quantize_root(blk, bits[lo:lo + _BLOCK])]
-            else:
-                out += _quantize_signed(blk)
+            out += (_quantize_root(blk, bits[lo:lo + _BLOCK]) if how == "root" else block(blk))
     return torch.tensor(out, dtype=torch.float64).view(xm.shape).permute(
         *sorted(range(x.dim()), key=list(dims).__getitem__))
+
+
+_FLT_MAX = 3.4028234663852886e38
 
 
 class _Reference:
@@ -187,15 +224,33 @@ class ReferenceLAMB(_Reference):
     def _update(self, h, st, w, g):
         b1, b2 = h["betas"]
         t = st["step"]
+        fmt = self._format(h, w)
         m = st.setdefault("exp_avg", torch.zeros_like(w))
         v = st.setdefault("exp_avg_sq", torch.zeros_like(w))
+        if fmt == "8bit":  # the state holds d and s (docs/math.md, "8-bit")
+            d, s = m, v
+            m, v = d * (s + st.get("eps", 0.0)), s * s
         b3 = (1.0 - b1) if h["grad_averaging"] else 1.0
-        m.mul_(b1).add_(b3 * g)
-        v.mul_(b2).add_((1.0 - b2) * g * g)
-        fmt = self._format(h, w)
-        m.copy_(_store(fmt, m, root=False))
-        v.copy_(_store(fmt, v, root=True, step=t, key=st["key"]))
+        m = m * b1 + b3 * g
+        v = v * b2 + (1.0 - b2) * g * g
+        if fmt == "8bit":
+            r1, r2 = self.factors(h, t)
+            eps = _f32(_f32(h["eps"]) / r2)
+            s = _store(fmt, v.clamp(max=_FLT_MAX).sqrt(), "root", step=t, key=st["key"])
+            d = _store(fmt, m / (s + eps), "direction")
+            st.update(exp_avg=d, exp_avg_sq=s, eps=eps, direction=d * _f32(r1 / r2))
+        else:
+            st["exp_avg"] = _store(fmt, m, "nearest")
+            st["exp_avg_sq"] = _store(fmt, v, "stochastic", step=t, key=st["key"])
         self.apply(h, st, w)
+
+    @staticmethod
+    def factors(h, t: int) -> tuple[float, float]:
+        """``r1`` and ``r2`` rounded to float32, as the backends compute them."""
+        if not h["bias_correction"]:
+            return 1.0, 1.0
+        b1, b2 = h["betas"]
+        return _f32(1.0 / (1.0 - b1 ** t)), _f32(1.0 / math.sqrt(1.0 - b2 ** t))
 
     @staticmethod
     def apply(h, st, w):
@@ -203,11 +258,13 @@ class ReferenceLAMB(_Reference):
         ``exp_avg_sq`` after this step's moment update): the second half of a step."""
         t, m, v, b1, b2 = st["step"], st["exp_avg"], st["exp_avg_sq"], *h["betas"]
         lam = h["weight_decay"]
-        if h["bias_correction"]:
+        if "direction" in st:  # 8-bit: u = (r1 / r2)·d + λ·w
+            u = st["direction"].clone()
+        elif h["bias_correction"]:
             m_hat, v_hat = m / (1.0 - b1 ** t), v / (1.0 - b2 ** t)
+            u = m_hat / (v_hat.sqrt() + h["eps"])
         else:
-            m_hat, v_hat = m, v
-        u = m_hat / (v_hat.sqrt() + h["eps"])
+            u = m / (v.sqrt() + h["eps"])
         if not h["decoupled_weight_decay"]:
             u = u + lam * w
         phi = _ratio(_norm(w), _norm(u))
@@ -245,7 +302,9 @@ class ReferenceLARS(_Reference):
             v.copy_(d)
         else:
             v.mul_(mu).add_((1.0 - h["dampening"]) * d)
-        v.copy_(_store(self._format(h, w), v, root=False))  # the step uses the buffer as stored
+        fmt = self._format(h, w)
+        # the step moves by the buffer computed; the state keeps it rounded (docs/math.md)
+        st["momentum_buffer"] = _store(fmt, v, "dynamic" if fmt == "8bit" else "nearest")
         if h["lr_in_momentum"]:
             step = lr * d + mu * v if h["nesterov"] else v
         else:

@@ -216,9 +216,9 @@ def test_a_dense_param_steps_as_the_contiguous_tensor_of_its_memory(backend, kin
     from fusedopt.reference import _store
     v = torch.rand(4, 6, 5, 3, generator=gen, dtype=torch.float64)
     assert torch.equal(in_memory(_store("bf16", v.to(memory_format=torch.channels_last),
-                                        root=True, step=3, key=2)),
+                                        "stochastic", step=3, key=2)),
                        _store("bf16", in_memory(v.to(memory_format=torch.channels_last)),
-                              root=True, step=3, key=2))
+                              "stochastic", step=3, key=2))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

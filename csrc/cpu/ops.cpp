@@ -13,6 +13,7 @@
 #include <fusedopt/checks.h>
 #include <fusedopt/math.h>
 
+#include <array>
 #include <atomic>
 #include <limits>
 #include <mutex>
@@ -348,30 +349,23 @@ FUSEDOPT_INLINE void with_lars_variant(const LarsCoef<T>& c, Body&& body) {
 // draws sr_bits(base, e0 + k), e0 its first element's index in the whole tensor (SrKey).
 static_assert(kChunk % kQBlock == 0 && kBlock == kQBlock, "8-bit blocks must be loop blocks");
 
-// A packed 8-bit moment of one tensor: the scales of its blocks and its codes (Note [state
-// formats]); at(o) is the part from element o (a multiple of kQBlock) on.
+// A packed 8-bit moment of one tensor: the two words of each of its blocks and its codes (Note
+// [8-bit maps]); at(o) is the part from element o (a multiple of kQBlock) on.
 template <typename C>
 struct Packed {
-  float* scales;
+  unsigned int* words;
   C* codes;
-  Packed at(int64_t o) const { return {scales + o / kQBlock, codes + o}; }
+  Packed at(int64_t o) const { return {words + 2 * (o / kQBlock), codes + o}; }
 };
 
 template <typename C>
 FUSEDOPT_INLINE Packed<C> packed(void* data, int64_t codes_offset) {
   unsigned char* bytes = static_cast<unsigned char*>(data);
-  return {reinterpret_cast<float*>(bytes), reinterpret_cast<C*>(bytes + codes_offset)};
+  return {reinterpret_cast<unsigned int*>(bytes), reinterpret_cast<C*>(bytes + codes_offset)};
 }
 
-// The largest |x| of a block of n <= kBlock values and whether they are all finite, from the
-// largest bit pattern of |x|: for non-negative floats the order of the patterns is that of the
-// values, and only inf and NaN lie at 0x7f800000 or above. One integer max per element, in a
-// simd reduction (any order gives the same result).
-struct BlockTop {
-  float top;
-  bool finite;
-};
-
+// BlockTop of a block of n <= kBlock values: one integer max per element, in a simd reduction
+// (any order gives the same result); only inf and NaN lie at 0x7f800000 or above.
 FUSEDOPT_INLINE BlockTop block_top(const float* __restrict__ x, int64_t n) {
   unsigned int top = 0;
 #pragma omp simd reduction(max : top)
@@ -379,7 +373,39 @@ FUSEDOPT_INLINE BlockTop block_top(const float* __restrict__ x, int64_t n) {
     const unsigned int a = float_bits(x[k]) & 0x7fffffffu;
     top = a > top ? a : top;
   }
-  return {bits_float(top), top < 0x7f800000u};
+  return {bits_float(top), top < kInfBits};
+}
+
+// The root map's words of a block of roots s (n <= kBlock): T, the largest bit pattern, and the
+// shift from the smallest nonzero one (Note [8-bit maps]); a block that is not finite gets
+// (NaN, 0).
+struct RootWords {
+  unsigned int top;
+  int sh;
+  bool finite;
+};
+
+FUSEDOPT_INLINE RootWords root_words(const float* __restrict__ s, int64_t n) {
+  unsigned int top = 0, low = 0xffffffffu;
+#pragma omp simd reduction(max : top) reduction(min : low)
+  for (int64_t k = 0; k < n; ++k) {
+    const unsigned int b = float_bits(s[k]) & 0x7fffffffu;
+    top = b > top ? b : top;
+    const unsigned int l = b == 0u ? 0xffffffffu : b;
+    low = l < low ? l : low;
+  }
+  if (top >= kInfBits) return {kNanWord, 0, false};
+  return {top, q8_root_shift(top, low == 0xffffffffu ? top : low), true};
+}
+
+// V[mag] of the dynamic map (Note [8-bit maps]), made once.
+const float* dynamic_units() {
+  static const auto table = [] {
+    std::array<float, 128> t{};
+    for (int c = 0; c < 128; ++c) t[c] = q8_dynamic_unit(c);
+    return t;
+  }();
+  return table.data();
 }
 
 // The weights of a block as float32: w itself when it is float32, else converted into buf (a
@@ -393,11 +419,6 @@ FUSEDOPT_INLINE const float* float_block(const W* __restrict__ w, int64_t n,
     for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<float>(w[k]);
     return buf;
   }
-}
-
-// The scale stored for a block: NaN when it holds a value that is not finite (its codes are 0).
-FUSEDOPT_INLINE float block_scale(float scale, bool finite) {
-  return finite ? scale : std::numeric_limits<float>::quiet_NaN();
 }
 
 // LAMB pass 1 with bf16 moments: m rounded to nearest even, v stochastically; u from the stored
@@ -431,8 +452,25 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_bf16(const W* __restrict__ w, const G* __r
   out[1] = u_sq.total();
 }
 
-// LAMB pass 1 with 8-bit moments, block by block: the stored moments read, updated, the block's
-// scales found, the codes written (v's stochastically), u from the values just stored.
+// The codes of a block widened to 32-bit lanes, and back: a loop over bytes and floats together
+// vectorizes for 16 bytes at a time, one over 32-bit lanes for the ISA's whole width.
+FUSEDOPT_INLINE void widen_codes(const int8_t* __restrict__ a, const uint8_t* __restrict__ b,
+                                 int* __restrict__ ai, int* __restrict__ bi, int n) {
+  for (int k = 0; k < n; ++k) ai[k] = a[k];
+  for (int k = 0; k < n; ++k) bi[k] = b[k];
+}
+
+FUSEDOPT_INLINE void narrow_codes(const int* __restrict__ ai, const int* __restrict__ bi,
+                                  int8_t* __restrict__ a, uint8_t* __restrict__ b, int n) {
+  for (int k = 0; k < n; ++k) a[k] = static_cast<int8_t>(ai[k]);
+  for (int k = 0; k < n; ++k) b[k] = static_cast<uint8_t>(bi[k]);
+}
+
+// LAMB pass 1 with 8-bit moments, block by block (Note [8-bit maps]): m = d*(s + eps) and
+// v = s*s read from the stored codes, updated; the block's roots stored (stochastically), then
+// the direction d = m / (s + eps) from the roots as stored, then u = c8*d + lambda*w from the
+// directions as stored. The loops over a block count in 32-bit lanes (an int64_t counter
+// widens the element index and the codes to 64-bit lanes).
 template <typename W, typename G>
 FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __restrict__ g,
                                          Packed<int8_t> m, Packed<uint8_t> v, int64_t n,
@@ -440,44 +478,65 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __res
                                          unsigned int base, int64_t e0) {
   alignas(64) float wb[kBlock];
   alignas(64) float mb[kBlock];
-  alignas(64) float vb[kBlock];
+  alignas(64) float sb[kBlock];
   alignas(64) float ub[kBlock];
+  alignas(64) int mi[kBlock];  // codes widened, so that the float loops run on full vectors
+  alignas(64) int vi[kBlock];
   SqSum w_sq, u_sq;
   for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t len = std::min(kBlock, n - b);
-    const int64_t blk = b / kQBlock;
-    const float fm0 = m.scales[blk], fv0 = v.scales[blk];
-    for (int64_t k = 0; k < len; ++k) {
-      float mk = q8_signed_value(m.codes[b + k], fm0);
-      const float sk = q8_root_value(v.codes[b + k], fv0);
-      float vk = sk * sk;
-      lamb_moments<float>(static_cast<float>(g[b + k]) * gm, mk, vk, c);
-      mb[k] = mk;
-      vb[k] = vk;
-    }
-    const float* __restrict__ wf = float_block(w + b, len, wb);
-    const BlockTop mt = block_top(mb, len), vt = block_top(vb, len);
-    const float v_root_top = std::sqrt(vt.top);
-    const float fm = block_scale(q8_signed_scale(mt.top), mt.finite);
-    const float fv = block_scale(q8_root_scale(v_root_top), vt.finite);
-    // a block that is not finite stores codes 0: its factors are 0 and its scale NaN
-    const float qm = mt.finite ? q8_signed_factor(mt.top) : 0.0f;
-    const float qv = vt.finite ? q8_root_factor(v_root_top) : 0.0f;
-    m.scales[blk] = fm;
-    v.scales[blk] = fv;
+    const int len = static_cast<int>(std::min(kBlock, n - b));
+    unsigned int* wm = m.words + 2 * (b / kQBlock);
+    unsigned int* wv = v.words + 2 * (b / kQBlock);
+    const float f0 = bits_float(wm[0]), eps0 = bits_float(wm[1]);
+    const unsigned int top0 = wv[0];
+    const int sh0 = static_cast<int>(wv[1]);
     int8_t* __restrict__ mc = m.codes + b;
     uint8_t* __restrict__ vc = v.codes + b;
-    const unsigned int e0b = static_cast<unsigned int>(e0 + b);
-    for (int64_t k = 0; k < len; ++k) {
-      const int8_t cm = q8_signed_code(mb[k], qm);
-      const uint8_t cv = q8_root_code(std::sqrt(vb[k]), qv,
-                                      sr_bits(base, e0b + static_cast<unsigned int>(k)));
-      mc[k] = cm;
-      vc[k] = cv;
-      ub[k] = lamb_direction_s<float>(wf[k], q8_signed_value(cm, fm), q8_root_value(cv, fv), c);
+    widen_codes(mc, vc, mi, vi, len);
+    const G* __restrict__ gb = g + b;
+#pragma omp simd
+    for (int k = 0; k < len; ++k) {
+      const float s0 = q8_root_value(vi[k], top0, sh0);
+      float mk = mul_rn(q8_direction_value(mi[k], f0), add_rn(s0, eps0));
+      float vk = mul_rn(s0, s0);
+      lamb_moments<float>(static_cast<float>(gb[k]) * gm, mk, vk, c);
+      mb[k] = mk;
+      sb[k] = std::sqrt(q8_saturate(vk));
     }
-    if (!mt.finite && len > 0) std::memset(mc, 0, static_cast<size_t>(len));
-    if (!vt.finite && len > 0) std::memset(vc, 0, static_cast<size_t>(len));
+    const RootWords r = root_words(sb, len);
+    const unsigned int bits0 = sr_bits(base, static_cast<unsigned int>(e0 + b));
+    if (r.finite) {
+#pragma omp simd
+      for (int k = 0; k < len; ++k) {
+        const unsigned int round = q8_root_stochastic(bits0 + sr_step(k), r.sh);
+        const int cv = q8_root_code(sb[k], r.top, r.sh, round);
+        vi[k] = cv;
+        mb[k] = div_rn(mb[k], add_rn(q8_root_value(cv, r.top, r.sh), c.eps8));  // d
+      }
+    } else {  // codes 255 read as the NaN of the block's words
+      for (int k = 0; k < len; ++k) {
+        vi[k] = 255;
+        mb[k] = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+    wv[0] = r.top;
+    wv[1] = static_cast<unsigned int>(r.sh);
+    const float* __restrict__ wf = float_block(w + b, len, wb);
+    const BlockTop t = block_top(mb, len);
+    const float f = t.finite ? q8_direction_step(t.top) : std::numeric_limits<float>::quiet_NaN();
+    const Scaling sc = q8_scaling(t.top, 127.0f);  // a tiny block is prescaled (P = 2^64)
+    if (!t.finite) {  // coded 0, read as 0 * NaN
+      for (int k = 0; k < len; ++k) mb[k] = 0.0f;
+    }
+#pragma omp simd
+    for (int k = 0; k < len; ++k) {
+      const int cm = q8_direction_code(mul_rn(mb[k], sc.p), sc.q);
+      mi[k] = cm;
+      ub[k] = add_rn(mul_rn(c.c8, q8_direction_value(cm, f)), mul_rn(c.lambda_in_u, wf[k]));
+    }
+    narrow_codes(mi, vi, mc, vc, len);
+    wm[0] = float_bits(f);
+    wm[1] = float_bits(c.eps8);
     w_sq.add(wf, len);
     u_sq.add(ub, len);
   }
@@ -501,26 +560,31 @@ FUSEDOPT_INLINE void lamb_pass2_chunk_bf16(W* __restrict__ w, P* __restrict__ p,
   }
 }
 
+// LAMB pass 2 with 8-bit moments: u = c8*d + lambda*w from the stored directions alone.
 template <typename W, typename P>
 FUSEDOPT_INLINE void lamb_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
-                                         Packed<int8_t> m, Packed<uint8_t> v, int64_t n,
-                                         const LambCoef<float> c, const float lr_phi,
-                                         const float decay) {
+                                         Packed<int8_t> m, int64_t n, const LambCoef<float> c,
+                                         const float lr_phi, const float decay) {
+  alignas(64) int mi[kBlock];
   for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t len = std::min(kBlock, n - b);
-    const float fm = m.scales[b / kQBlock], fv = v.scales[b / kQBlock];
-    for (int64_t k = b; k < b + len; ++k) {
-      const float wk = static_cast<float>(w[k]);
-      const float u = lamb_direction_s<float>(wk, q8_signed_value(m.codes[k], fm),
-                                              q8_root_value(v.codes[k], fv), c);
+    const int len = static_cast<int>(std::min(kBlock, n - b));
+    const float f = bits_float(m.words[2 * (b / kQBlock)]);
+    const int8_t* __restrict__ mc = m.codes + b;
+    for (int k = 0; k < len; ++k) mi[k] = mc[k];
+    W* __restrict__ wb = w + b;
+#pragma omp simd
+    for (int k = 0; k < len; ++k) {
+      const float wk = static_cast<float>(wb[k]);
+      const float u = add_rn(mul_rn(c.c8, q8_direction_value(mi[k], f)), mul_rn(c.lambda_in_u, wk));
       const float nw = lamb_apply<float>(wk, u, lr_phi, decay);
-      w[k] = static_cast<W>(nw);
-      store_param(p, k, nw);
+      wb[k] = static_cast<W>(nw);
+      store_param(p, b + k, nw);
     }
   }
 }
 
-// LARS pass 2 with a bf16 buffer: the new buffer rounded to nearest even, the step from it.
+// LARS pass 2 with a bf16 buffer: the step from the new buffer, which is stored rounded to
+// nearest even.
 template <typename W, typename G, typename P>
 FUSEDOPT_INLINE void lars_pass2_chunk_bf16(W* __restrict__ w, P* __restrict__ p,
                                            const G* __restrict__ g, uint16_t* __restrict__ v,
@@ -528,46 +592,53 @@ FUSEDOPT_INLINE void lars_pass2_chunk_bf16(W* __restrict__ w, P* __restrict__ p,
   for (int64_t k = 0; k < n; ++k) {
     const float wk = static_cast<float>(w[k]);
     const float d = lars_direction<float>(wk, static_cast<float>(g[k]) * gm, c);
-    const uint16_t vq = bf16_rne(lars_buffer<float>(d, bf16_value(v[k]), c));
-    v[k] = vq;
-    const float nw = lars_step<float>(wk, d, bf16_value(vq), c);
+    const float vk = lars_buffer<float>(d, bf16_value(v[k]), c);
+    v[k] = bf16_rne(vk);
+    const float nw = lars_step<float>(wk, d, vk, c);
     w[k] = static_cast<W>(nw);
     store_param(p, k, nw);
   }
 }
 
-// LARS pass 2 with an 8-bit buffer, block by block (the signed map, rounded to nearest).
+// LARS pass 2 with an 8-bit buffer, block by block: the step from the new buffer, which is then
+// stored in the dynamic map (Note [8-bit maps]).
 template <typename W, typename G, typename P>
 FUSEDOPT_INLINE void lars_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
                                          const G* __restrict__ g, Packed<int8_t> v, int64_t n,
                                          const float gm, const LarsCoef<float> c) {
-  alignas(64) float wb[kBlock];
-  alignas(64) float db[kBlock];
   alignas(64) float vb[kBlock];
+  alignas(64) float old[kBlock];
+  alignas(64) int ci[kBlock];
+  const float* __restrict__ units = dynamic_units();
   for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t len = std::min(kBlock, n - b);
-    const int64_t blk = b / kQBlock;
-    const float f0 = v.scales[blk];
-    for (int64_t k = 0; k < len; ++k) {
-      const float wk = static_cast<float>(w[b + k]);
-      const float d = lars_direction<float>(wk, static_cast<float>(g[b + k]) * gm, c);
-      wb[k] = wk;
-      db[k] = d;
-      vb[k] = lars_buffer<float>(d, q8_signed_value(v.codes[b + k], f0), c);
-    }
-    const BlockTop t = block_top(vb, len);
-    const float f = block_scale(q8_signed_scale(t.top), t.finite);
-    const float q = t.finite ? q8_signed_factor(t.top) : 0.0f;
-    v.scales[blk] = f;
+    const int len = static_cast<int>(std::min(kBlock, n - b));
+    unsigned int* words = v.words + 2 * (b / kQBlock);
+    const float a0 = bits_float(words[0]);
     int8_t* __restrict__ vc = v.codes + b;
-    for (int64_t k = 0; k < len; ++k) {
-      const int8_t cv = q8_signed_code(vb[k], q);
-      vc[k] = cv;
-      const float nw = lars_step<float>(wb[k], db[k], q8_signed_value(cv, f), c);
-      w[b + k] = static_cast<W>(nw);
+    for (int k = 0; k < len; ++k) old[k] = q8_dynamic_value(vc[k], a0, units);
+    W* __restrict__ wb = w + b;
+    const G* __restrict__ gb = g + b;
+#pragma omp simd
+    for (int k = 0; k < len; ++k) {
+      const float wk = static_cast<float>(wb[k]);
+      const float d = lars_direction<float>(wk, static_cast<float>(gb[k]) * gm, c);
+      const float vk = lars_buffer<float>(d, old[k], c);
+      vb[k] = vk;
+      const float nw = lars_step<float>(wk, d, vk, c);
+      wb[k] = static_cast<W>(nw);
       store_param(p, b + k, nw);
     }
-    if (!t.finite && len > 0) std::memset(vc, 0, static_cast<size_t>(len));
+    const BlockTop t = block_top(vb, len);
+    const Scaling sc = q8_scaling(t.top, 1.0f);
+    if (t.finite) {
+#pragma omp simd
+      for (int k = 0; k < len; ++k) ci[k] = q8_dynamic_code(vb[k], sc);
+      for (int k = 0; k < len; ++k) vc[k] = static_cast<int8_t>(ci[k]);
+    } else {
+      std::memset(vc, 0, static_cast<size_t>(len));
+    }
+    words[0] = t.finite ? float_bits(t.top) : kNanWord;
+    words[1] = 0u;
   }
 }
 
@@ -881,8 +952,7 @@ void run_lamb_pass2(const CheckedLists& d, const at::Tensor& sums, const LambHyp
                                                coef[i], lr_phi[i], decay);
           }
           if (fmt[i] == k8bitState) {
-            return lamb_pass2_chunk_q8<W, P>(w, p, packed<int8_t>(mp[i], off[i]).at(o),
-                                             packed<uint8_t>(vp[i], off[i]).at(o), ch.len,
+            return lamb_pass2_chunk_q8<W, P>(w, p, packed<int8_t>(mp[i], off[i]).at(o), ch.len,
                                              coef[i], lr_phi[i], decay);
           }
         }

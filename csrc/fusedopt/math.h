@@ -111,6 +111,7 @@ struct LambCoef {
   T beta1, beta2, beta3, one_minus_beta2, eps;
   T r1, r2;          // 1 / (1 - beta1^t) and 1 / sqrt(1 - beta2^t), or 1 without bias correction
   T lambda_in_u;     // lambda unless decoupled (then 0)
+  T eps8, c8;        // 8-bit state (Note [8-bit maps]): eps / r2 and r1 / r2
 };
 
 template <typename T>
@@ -124,6 +125,8 @@ FUSEDOPT_HD LambCoef<T> lamb_coef(const LambHyper& h, double t) {
   c.r1 = h.bias_correction ? T(1.0 / bias_correction(h.beta1, t)) : T(1);
   c.r2 = h.bias_correction ? T(1.0 / sqrt(bias_correction(h.beta2, t))) : T(1);
   c.lambda_in_u = T(h.lambda_in_u);
+  c.eps8 = div_rn(c.eps, c.r2);
+  c.c8 = div_rn(c.r1, c.r2);
   return c;
 }
 
@@ -271,12 +274,13 @@ FUSEDOPT_HD T lars_apply(T w, T g, T& v, const LarsCoef<T>& c) {
 enum StateFormat : unsigned char { kFullState = 0, kBf16State = 1, k8bitState = 2 };
 
 constexpr int kQBlock = 256;          // elements per 8-bit block
-constexpr int kScaleAlign = 16;       // scales padded to 64 bytes before the codes
+constexpr int kWordAlign = 16;        // block words padded to 64 bytes before the codes
 
-// Bytes before the codes of a packed 8-bit tensor of n elements, and its whole size.
+// Bytes before the codes of a packed 8-bit tensor of n elements (two 32-bit words per block),
+// and its whole size.
 FUSEDOPT_HD long long q8_codes_offset(long long n) {
   const long long blocks = (n + kQBlock - 1) / kQBlock;
-  return 4 * ((blocks + kScaleAlign - 1) / kScaleAlign) * kScaleAlign;
+  return 4 * ((2 * blocks + kWordAlign - 1) / kWordAlign) * kWordAlign;
 }
 FUSEDOPT_HD long long q8_packed_numel(long long n) { return q8_codes_offset(n) + n; }
 
@@ -304,9 +308,16 @@ FUSEDOPT_HD unsigned int sr_first(long long key) {
   return static_cast<unsigned int>(static_cast<unsigned long long>(key) >> 32);
 }
 
-// bits(e) of the element e of the tensor.
+// bits(e) of the element e of the tensor: base + e * 0x9e3779b9 (mod 2^32), a Weyl sequence
+// from the hashed base, so that the bits of the elements of a block are the bits of its first
+// element plus sr_step(k) (an addition per element), and those of one element over the steps are
+// as independent as the bases.
+constexpr unsigned int kWeyl = 0x9e3779b9u;
+
+FUSEDOPT_HD unsigned int sr_step(unsigned int k) { return k * kWeyl; }
+
 FUSEDOPT_HD unsigned int sr_bits(unsigned int base, long long e) {
-  return mix32(base ^ static_cast<unsigned int>(e));
+  return base + sr_step(static_cast<unsigned int>(e));
 }
 
 FUSEDOPT_HD unsigned int float_bits(float x) {
@@ -346,54 +357,133 @@ FUSEDOPT_HD unsigned short bf16_stochastic(float x, unsigned int bits) {
 
 FUSEDOPT_HD float bf16_value(unsigned short h) { return bits_float(static_cast<unsigned int>(h) << 16); }
 
-// The 8-bit maps are minifloats relative to the block's largest value, written with integer
-// operations on float32 bit patterns (exact, so every backend gets the same codes).
-//
-// Signed map (m, LARS's buffer), E4M3: with a the block's largest |x|, the scale f = a / 1.875
-// and the factor q = 1.875 / a (0 for a = 0); y = |x|*q rounded to nearest even at 3 mantissa
-// bits; the code is sign(x)*c, c = clamp(bits(y)' - 896, 0, 127), and its value
-// f * float(bits (c + 896) << 20), 0 for c = 0: 15 octaves down from a, magnitudes below
-// 2^-15 * a stored as 0.
-constexpr unsigned int kSignedOffset = (127 - 15) << 3;  // 896
-constexpr float kSignedTop = 1.875f;                     // the largest code's value, 2^0 * 15/8
+// Note [8-bit maps]: docs/math.md, "8-bit". Three maps, one per state key, each with two 32-bit
+// words per block (w0, w1) before the codes; integer operations on float32 bit patterns and
+// float32 operations with one rounding each, so every backend stores the same bytes.
+constexpr unsigned int kNanWord = 0x7fc00000u;
+constexpr unsigned int kInfBits = 0x7f800000u;
+constexpr float kTiny = 5.42101086242752217e-20f;   // 2^-64: below it a block is prescaled
+constexpr float kPrescale = 1.8446744073709552e19f; // 2^64
+constexpr unsigned int kRootRange = 24u << 23;      // the root map's 24 octaves of bit patterns
+constexpr int kRootShifts = 21;                     // 254 << 20 covers kRootRange
 
-FUSEDOPT_HD float q8_signed_scale(float a) { return a / kSignedTop; }
-FUSEDOPT_HD float q8_signed_factor(float a) { return a > 0.0f ? kSignedTop / a : 0.0f; }
+// The largest |x| of a block of n <= kQBlock values (from the largest bit pattern of |x|: for
+// magnitudes their order is the values') and whether they are all finite.
+struct BlockTop {
+  float top;
+  bool finite;
+};
 
-FUSEDOPT_HD signed char q8_signed_code(float x, float q) {
-  const unsigned int b = float_bits(std::fabs(x) * q);
-  const int t = static_cast<int>((b + 0x7ffffu + ((b >> 20) & 1u)) >> 20) -
-                static_cast<int>(kSignedOffset);
-  const int c = t < 0 ? 0 : (t > 127 ? 127 : t);
-  return static_cast<signed char>(x < 0.0f ? -c : c);
+// The prescale P (2^64 below 2^-64, else 1) and factor q = c / (a*P) of a block whose largest
+// magnitude is a (q = 0 for a = 0), so that q is finite for a tiny a.
+struct Scaling {
+  float p;
+  float q;
+};
+
+FUSEDOPT_HD Scaling q8_scaling(float a, float c) {
+  const float p = a < kTiny ? kPrescale : 1.0f;
+  return {p, a > 0.0f ? div_rn(c, mul_rn(a, p)) : 0.0f};
 }
 
-FUSEDOPT_HD float q8_signed_value(signed char code, float f) {
-  const int c = code < 0 ? -code : code;
-  const float y = c == 0 ? 0.0f : bits_float(static_cast<unsigned int>(c + kSignedOffset) << 20);
-  return (code < 0 ? -y : y) * f;
+// Linear map (LAMB's direction d = m / (s + eps)): code = rint((d*P)*q) with q = 127/(a*P)
+// (q8_scaling: the caller multiplies d by P, which is 1 unless the block is tiny); value =
+// code * f, f = a / 127. rint rounds half to even, here by adding and subtracting 1.5 * 2^23.
+// Only finite blocks are coded; a block that is not finite has codes 0.
+FUSEDOPT_HD float q8_direction_step(float a) { return div_rn(a, 127.0f); }
+
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (y + it) - it rounds |y| < 2^22
+
+FUSEDOPT_HD int q8_direction_code(float d, float q) {
+  // |d| <= a, so |d*q| <= 127 * (1 + 2^-22) rounds to at most 127: no clamp
+  return static_cast<int>(sub_rn(add_rn(mul_rn(d, q), kRoundMagic), kRoundMagic));
 }
 
-// Square-root map (LAMB's v, by s = sqrt(v)), E4M4 with no zero: with S the block's largest s,
-// the scale f = S / 1.9375 and the factor q = 1.9375 / S (0 for S = 0); y = s*q rounded at 4
-// mantissa bits by adding `round` (19 bits: (bits(e) >> 13) for stochastic rounding, 0x3ffff plus
-// the kept bit's parity for nearest even) to its bit pattern; the code
-// c = clamp(bits' - 1792, 0, 255), its value f * float(bits (c + 1792) << 19). The smallest
-// value is 2^-15 * S: a nonzero block stores no v = 0.
-constexpr unsigned int kRootOffset = (127 - 15) << 4;  // 1792
-constexpr float kRootTop = 1.9375f;                    // 2^0 * 31/16
-
-FUSEDOPT_HD float q8_root_scale(float s_max) { return s_max / kRootTop; }
-FUSEDOPT_HD float q8_root_factor(float s_max) { return s_max > 0.0f ? kRootTop / s_max : 0.0f; }
-
-FUSEDOPT_HD unsigned char q8_root_code(float s, float q, unsigned int bits) {
-  const unsigned int b = float_bits(s * q);
-  const int t = static_cast<int>((b + (bits >> 13)) >> 19) - static_cast<int>(kRootOffset);
-  return static_cast<unsigned char>(t < 0 ? 0 : (t > 255 ? 255 : t));
+FUSEDOPT_HD float q8_direction_value(int code, float f) {
+  return mul_rn(static_cast<float>(code), f);
 }
 
-FUSEDOPT_HD float q8_root_value(unsigned char c, float f) {
-  return bits_float(static_cast<unsigned int>(c + kRootOffset) << 19) * f;
+// Root map (LAMB's exp_avg_sq, s = sqrt(v)): with T the block's largest bits(s) and sh its
+// shift, code 0 is s = 0 and code c >= 1 the float of bits T - ((255 - c) << sh) (0 below 0).
+// round: the random bits' top sh bits in a step (stochastic), 2^sh >> 1 for nearest.
+FUSEDOPT_HD int q8_root_shift(unsigned int top, unsigned int low) {
+  if (top - low > kRootRange) low = top - kRootRange;
+  const unsigned int span = top - low;
+  int sh = 0;
+  while (sh < kRootShifts - 1 && span > (254u << sh)) ++sh;
+  return sh;
+}
+
+FUSEDOPT_HD unsigned int q8_root_stochastic(unsigned int bits, int sh) {
+  return (bits >> 1) >> (31 - sh);
+}
+
+FUSEDOPT_HD unsigned int q8_root_nearest(int sh) { return (1u << sh) >> 1; }
+
+FUSEDOPT_HD int q8_root_code(float s, unsigned int top, int sh, unsigned int round) {
+  const unsigned int b = float_bits(s) & 0x7fffffffu;
+  const unsigned int k = (top - b + round) >> sh;
+  const unsigned int c = 255u - (k < 254u ? k : 254u);
+  return static_cast<int>(c & (0u - static_cast<unsigned int>(b != 0u)));
+}
+
+FUSEDOPT_HD float q8_root_value(int c, unsigned int top, int sh) {
+  const int x = static_cast<int>(top) - ((255 - c) << sh);
+  // integer selects (masks), which the host loops vectorize
+  const unsigned int nonzero = 0u - static_cast<unsigned int>(c != 0);
+  return bits_float(static_cast<unsigned int>(x > 0 ? x : 0) & nonzero);
+}
+
+// Dynamic map of base 8 (LARS's buffer): with y = (|x|*P)*q, q = 1/(a*P), the magnitude is 127
+// for y >= 1, 0 below 8^-7, else 2^L + j in the decade t = (126 - E)/3 below the top (E the
+// biased exponent of y), L = 6 - t; the value of a magnitude is V[mag] * a.
+// Written without branches (selects only), so that the host loops over a block vectorize: a
+// branch on the sign alone would be mispredicted half of the time.
+FUSEDOPT_HD int q8_dynamic_code(float x, Scaling s) {
+  const float y = mul_rn(mul_rn(std::fabs(x), s.p), s.q);
+  const unsigned int yb = float_bits(y);
+  const int e = static_cast<int>(yb >> 23);
+  const int d = e > 126 ? 0 : 126 - e;
+  int t = (d * 171) >> 9;  // d / 3 for d < 384
+  t = t > 6 ? 6 : t;
+  const int level = 6 - t;
+  const int count = level == 6 ? 63 : 1 << level;
+  const float z = bits_float(yb + (static_cast<unsigned int>(3 * t + 3) << 23));
+  // K[L] = float32(n / 7): 9 for n = 63, else float32(1/7) * 2^L (0x3e124925 is float32(1/7))
+  const float k = level == 6 ? 9.0f : bits_float(0x3e124925u + (static_cast<unsigned int>(level) << 23));
+  int j = static_cast<int>(mul_rn(sub_rn(z, 1.0f), k));
+  j = j < count - 1 ? j : count - 1;
+  int mag = (1 << level) + j;
+  mag = e < 106 ? 0 : mag;  // y < 2^-21 = 8^-7
+  mag = y >= 1.0f ? 127 : mag;
+  return x < 0.0f ? -mag : mag;
+}
+
+// V[mag] (float32, one rounding per operation; V[0] = 0, V[127] = 1).
+FUSEDOPT_HD float q8_dynamic_unit(int mag) {
+  if (mag <= 0) return 0.0f;
+  if (mag >= 127) return 1.0f;
+  int level = 0;
+  while ((2 << level) <= mag) ++level;
+  const float count = level == 6 ? 63.0f : static_cast<float>(1 << level);
+  const float j = static_cast<float>(mag - (1 << level));
+  const float frac = div_rn(mul_rn(7.0f, add_rn(j, 0.5f)), count);
+  return mul_rn(add_rn(1.0f, frac), bits_float(static_cast<unsigned int>(127 - 3 * (7 - level)) << 23));
+}
+
+FUSEDOPT_HD float q8_dynamic_value(int code, float a, const float* __restrict__ unit) {
+  int c = code < 0 ? -code : code;
+  c = c > 127 ? 127 : c;
+  const float y = mul_rn(unit[c], a);
+  return code < 0 ? -y : y;
+}
+
+// v >= 0 saturated at the largest float32 (8-bit state; NaN kept): +inf, the one value above it,
+// becomes its neighbour below, in integer operations (a float select folds the root of the
+// constant into a branch that keeps the host loops from vectorizing).
+FUSEDOPT_HD float q8_saturate(float v) {
+  const unsigned int b = float_bits(v);
+  return bits_float(b - static_cast<unsigned int>(b == kInfBits));
 }
 
 // Whether x is finite, as the sum of x*0 over a block tests it (0 for finite x, NaN otherwise).

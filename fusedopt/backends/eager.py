@@ -165,14 +165,33 @@ def _low_precision(states: list[torch.Tensor]) -> list[tuple[int, str]]:
     return [(i, lowp.format_of(x)) for i, x in enumerate(states) if lowp.format_of(x) != "full"]
 
 
-def _read(states: list[torch.Tensor], w: list[torch.Tensor], low, root: bool = False) -> list:
-    """The float32 values of the low-precision entries ``low`` of ``states`` (of the shapes of
-    ``w``); ``root``: LAMB's v, read from 8-bit state as the square of the stored ``s``."""
+def _read(states: list[torch.Tensor], w: list[torch.Tensor], low) -> list:
+    """The float32 values of LARS's low-precision buffers ``low`` of ``states`` (of the shapes of
+    ``w``)."""
     out = list(states)
     for i, fmt in low:
-        x = lowp.read(states[i], w[i].shape, root)
-        out[i] = x * x if root and fmt == "8bit" else x
+        out[i] = states[i].to(torch.float32) if fmt == "bf16" else lowp.step_read(states[i],
+                                                                                   w[i].shape)
     return out
+
+
+def _read_lamb(ms: list[torch.Tensor], vs: list[torch.Tensor], w: list[torch.Tensor], low):
+    """LAMB's float32 moments ``(m, v)`` of the low-precision entries ``low`` (docs/math.md: an
+    8-bit ``exp_avg`` holds the direction ``d``, read back as ``m = d·(s + ε)``)."""
+    m, v = list(ms), list(vs)
+    for i, fmt in low:
+        if fmt == "bf16":
+            m[i], v[i] = ms[i].to(torch.float32), vs[i].to(torch.float32)
+        else:
+            m[i], v[i] = lowp.step_read_lamb(ms[i], vs[i], w[i].shape)
+    return m, v
+
+
+def _bits(b: Bucket, t: torch.Tensor, i: int, n: int) -> torch.Tensor:
+    """The random bits of the ``n`` elements of entry ``i``, drawn by the elements' order in the
+    param's memory (docs/math.md, "Random bits")."""
+    key = i if b.keys is None else int(b.keys[i])
+    return memory_to_row_major(lowp.random_bits(t[i], key, n), b.params[i])
 
 
 class EagerBackend(Backend):
@@ -210,7 +229,7 @@ class EagerBackend(Backend):
         low = _low_precision(b.exp_avgs)
         m_old, v_old = b.exp_avgs, b.exp_avg_sqs
         if low:
-            m_old, v_old = _read(m_old, w, low), _read(v_old, w, low, root=True)
+            m_old, v_old = _read_lamb(m_old, v_old, w, low)
         m = _added(torch._foreach_mul(m_old, h.beta1), g, h.beta3, inplace=True)
         v = torch._foreach_mul(v_old, h.beta2)
         gg = torch._foreach_mul(g, h.one_minus_beta2)
@@ -223,12 +242,10 @@ class EagerBackend(Backend):
         if low:
             m_store, v_store, m = list(m), list(v), list(m)
             for i, fmt in low:
-                key = i if b.keys is None else int(b.keys[i])
-                # drawn by the elements' order in the param's memory (docs/math.md)
-                bits = memory_to_row_major(lowp.random_bits(t[i], key, v[i].numel()),
-                                           b.params[i])
-                m_store[i], m[i] = lowp.write(fmt, m[i])
-                v_store[i], den[i] = lowp.write(fmt, v[i], root=True, bits=bits)
+                if fmt == "bf16":
+                    m_store[i], m[i] = lowp.write_bf16(m[i])
+                    v_store[i], held = lowp.write_bf16(v[i], _bits(b, t, i, v[i].numel()))
+                    den[i] = lowp.sqrt_rn(held)
         if h.bias_correction:
             r1 = _per_tensor(bias_correction(h.beta1, t).reciprocal().to(cd))
             r2 = _per_tensor(bias_correction(h.beta2, t).sqrt().reciprocal().to(cd))
@@ -238,7 +255,19 @@ class EagerBackend(Backend):
             m_hat = m
         eps = h.eps
         torch._foreach_add_(den, [eps] * len(den) if isinstance(eps, torch.Tensor) else eps)
-        u = torch._foreach_div(m_hat, den)
+        u = list(torch._foreach_div(m_hat, den))
+        for i, fmt in low:
+            if fmt == "8bit":
+                # docs/math.md, "8-bit": u = c·d + λ·w, c = r1 / r2, with d stored as m / (s + ε),
+                # ε = eps / r2 (float32 divisions)
+                e = (eps.to(torch.float32) if isinstance(eps, torch.Tensor)
+                     else torch.tensor(eps, dtype=torch.float32)).to(w[i].device)
+                c = torch.ones((), dtype=cd, device=w[i].device)
+                if h.bias_correction:
+                    e, c = e / r2[i], r1[i] / r2[i]
+                bits = _bits(b, t, i, v[i].numel())
+                m_store[i], v_store[i], d = lowp.step_write_lamb(m[i], v[i], e, bits)
+                u[i] = c * d
         # λ·w also for λ = 0: 0·inf is NaN, as in every backend (Note [NaN propagation])
         _added(u, w, h.lambda_in_u, inplace=True)
         b.scratch.update(t=t, w=w, u=u, m=m_store, v=v_store)
@@ -291,10 +320,11 @@ class EagerBackend(Backend):
             v = torch._foreach_mul(old, a)
             torch._foreach_add_(v, torch._foreach_mul(d, c))
         v_store = v = list(v)
-        if low:  # the step moves by the buffer as stored (docs/math.md, "Low-precision state")
+        if low:  # the step moves by the buffer computed, stored rounded (docs/math.md)
             v_store = list(v)
             for i, fmt in low:
-                v_store[i], v[i] = lowp.write(fmt, v[i])
+                v_store[i] = (lowp.write_bf16(v[i])[0] if fmt == "bf16"
+                              else lowp.step_write(v[i])[0])
         if h.lr_in_momentum:
             step = _added(lr_d, v, mu) if h.nesterov else v
         else:
