@@ -552,14 +552,14 @@ def decode_v1(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tens
 # ------------------------------------------------------------------------- state dicts
 # Note [saved 8-bit state]: a state dict holds each 8-bit moment as two tensors, its codes
 # (uint8, the param's shape) under the moment's key and its block words under the key +
-# "_blocks" (``words_shape``: ``[rows, row length / BLOCK, 2]`` when the rows of dim 0 are whole
-# blocks, else ``[blocks, 2]``; int32 for the root map, float32 for the others), copies made when
-# ``state_dict()`` is called. The optimizer keeps them packed (one tensor per moment, which the
-# kernels stream); the saved form is the one that shards: the blocks of a param whose rows are
-# whole blocks lie in its rows, so the codes and words of a shard of rows are its packed state,
-# and a checkpoint of one process and one of FSDP2 shards (DTensors placed like the param) hold
-# the same tensors, which torch.distributed.checkpoint saves, gathers and reshards as it does the
-# param.
+# "_blocks" (uint8, 8 bytes per block, ``words_shape``: ``[rows, row length / BLOCK, 8]`` when
+# the rows of dim 0 are whole blocks, else ``[blocks, 8]``), both views of the optimizer's packed
+# tensor: live, as torch's state dicts are (one dtype, so that torch.save writes the storage once;
+# ``.view(torch.int32)`` or ``.view(torch.float32)`` reads the words). The saved form is the one
+# that shards: the blocks of a param whose rows are whole blocks lie in its rows, so the codes and
+# words of a shard of rows are its packed state, and a checkpoint of one process and one of FSDP2
+# shards (DTensors placed like the param) hold the same tensors, which
+# torch.distributed.checkpoint saves, gathers and reshards as it does the param.
 #
 # Note [sharded 8-bit state]: a DTensor param keeps 8-bit state when its local shards are runs of
 # whole blocks (``rows_hold_blocks``): every placement Replicate or Shard(0), and a row a whole
@@ -572,8 +572,8 @@ def words_shape(shape: torch.Size) -> tuple[int, ...]:
     [saved 8-bit state])."""
     n = shape.numel()
     if len(shape) > 0 and n > 0 and (n // shape[0]) % BLOCK == 0:
-        return (shape[0], n // shape[0] // BLOCK, 2)
-    return (n_blocks(n), 2)
+        return (shape[0], n // shape[0] // BLOCK, 8)
+    return (n_blocks(n), 8)
 
 
 def check_words(words: torch.Tensor, key: str) -> None:
@@ -654,20 +654,18 @@ def placed(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return _placed_like(local, p, tuple(p.shape))
 
 
-def saved_form(packed: torch.Tensor, p: torch.Tensor,
-               key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the codes and block words of the packed 8-bit moment ``key`` of ``p`` (of its
-    local shard for a DTensor, then as DTensors placed like ``p``; Note [saved 8-bit state])."""
+def saved_form(packed: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and block words of the packed 8-bit moment of ``p`` (of its local shard for a
+    DTensor, then as DTensors placed like ``p``): views of ``packed`` (Note [saved 8-bit
+    state])."""
     lp = p.to_local() if hasattr(p, "to_local") else p
-    words, codes = split(packed, lp.numel())
-    codes = codes.clone().view(lp.shape)
-    words = words.clone()
-    if MAPS[key] != "root":
-        words = words.view(torch.float32)
+    n = lp.numel()
+    codes = packed[codes_offset(n):codes_offset(n) + n].view(lp.shape)
+    words = packed[:8 * n_blocks(n)]
     shape = words_shape(p.shape)
     if not hasattr(p, "to_local"):
         return codes, words.view(shape)
-    return placed(codes, p), _placed_like(words.view(lp.shape[0], shape[1], 2), p, shape)
+    return placed(codes, p), _placed_like(words.view(lp.shape[0], shape[1], 8), p, shape)
 
 
 def _local_part(t: torch.Tensor, p: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -701,10 +699,9 @@ def saved_moment(saved: dict, key: str, p: torch.Tensor) -> tuple[str, torch.Ten
     if key + BLOCKS_SUFFIX in saved:
         words = saved[key + BLOCKS_SUFFIX]
         shape = words_shape(p.shape)
-        want = torch.int32 if MAPS[key] == "root" else torch.float32
-        if not isinstance(words, torch.Tensor) or words.dtype != want:
+        if not isinstance(words, torch.Tensor) or words.dtype != torch.uint8:
             raise TypeError(f"8-bit {key!r}: its block words {key + BLOCKS_SUFFIX!r} must be a "
-                            f"{want} tensor, got "
+                            "uint8 tensor (8 bytes per block), got "
                             + (str(words.dtype) if isinstance(words, torch.Tensor)
                                else type(words).__name__))
         if tuple(value.shape) != tuple(p.shape) or tuple(words.shape) != shape:
@@ -720,7 +717,7 @@ def saved_moment(saved: dict, key: str, p: torch.Tensor) -> tuple[str, torch.Ten
             words = _local_part(words, p, shape)
         else:
             codes, words = _whole(value), _whole(words)
-        words = words.reshape(-1, 2).to(device).contiguous().view(torch.int32)
+        words = words.to(device).contiguous().view(torch.int32).view(-1, 2)
         check_words(words, key)
         return "8bit", pack(codes.reshape(-1).to(device), words)
     if key + V1_SUFFIX in saved:

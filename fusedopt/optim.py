@@ -17,6 +17,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
 from torch.optim.optimizer import required
 
+from . import _checkpoint
 from . import backends as _backends
 from . import lowp
 from ._bucket import StepCache, compute_dtype, dtype_codes
@@ -44,7 +45,10 @@ _DTYPE = attrgetter("dtype")
 _MISSING = object()  # an option deleted from a param group
 # the options that say how this process runs and stores the step, not what was learned: a loaded
 # state dict does not replace them (its state is converted to the groups' state_precision)
-_OWN_OPTIONS = ("backend", "state_precision", "state_min_numel")
+# (torch's implementation flags among them: a warm start from fused AdamW's checkpoint keeps this
+# optimizer's own)
+_OWN_OPTIONS = ("backend", "state_precision", "state_min_numel", "fused", "foreach",
+                "capturable", "differentiable")
 
 
 def _same_dtypes(ps: list, dtypes: set) -> bool:
@@ -60,14 +64,6 @@ def _alias(buffer: torch.Tensor, offset: int, shape, stride=None) -> torch.Tenso
     own."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), offset, shape, *(() if stride is None else (stride,)))
-
-
-def _laid_out_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``t`` (loaded state of the plain param ``p``) in ``p``'s memory layout, once: a row of
-    other strides would step through copies at every step (functional._bucket)."""
-    if hasattr(p, "to_local") or t.shape != p.shape or not _dense_layout(p):
-        return t
-    return laid_out_as(t, p)
 
 
 def check_partition_options(group: dict[str, Any]) -> None:
@@ -293,7 +289,8 @@ class _TrustRatioOptimizer(Optimizer):
 
     def _saved_form(self, out: dict[str, Any]) -> dict[str, Any]:
         """The first of ``state_dict``'s post-hooks, so that the user's see the state dict it
-        returns: 8-bit moments as codes and scales (Note [saved 8-bit state] in lowp.py)."""
+        returns: 8-bit moments as codes and block words, views of the optimizer's state (Note
+        [saved 8-bit state] in lowp.py)."""
         # entries that are not a param's dict (opt.state["global_step"] = 1) saved as torch does
         out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
         params = chain.from_iterable(g["params"] for g in self.param_groups)
@@ -302,7 +299,7 @@ class _TrustRatioOptimizer(Optimizer):
             for key in self._state_keys if isinstance(st, dict) else ():
                 t = st.get(key)
                 if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
-                    st[key], st[key + "_scales"] = lowp.saved_form(t, p)
+                    st[key], st[key + lowp.BLOCKS_SUFFIX] = lowp.saved_form(t, p)
         return out
 
     def _hook_saved_form(self) -> None:
@@ -496,6 +493,12 @@ class _TrustRatioOptimizer(Optimizer):
             rows = list(map(lowp.random_key, rows, ps, lps)) if sharded else rows
         state = self.state
         states = list(map(state.get, ps))
+        if max(map(len, filter(None, states)), default=0) > len(self._state_keys) + 1:
+            # more keys than a count and the moments: masters, or saved 8-bit state that a loader
+            # put straight into the state (fusedopt/_checkpoint.py)
+            for p, st in zip(ps, states):
+                if st and _checkpoint.needs_adopting(self, st):
+                    _checkpoint.adopt(self, gi, group, p, st)
         fresh = [] if all(states) else [p for p, st in zip(ps, states) if not st]
         if fresh:
             # Note [refused steps]: what would refuse the step is checked before state is made
@@ -854,23 +857,29 @@ class _TrustRatioOptimizer(Optimizer):
             self._load = None
 
     def _loading(self, state_dict: dict[str, Any]) -> None:
-        """The last pre-hook of ``load_state_dict``: reads what it will need, refusing a state dict
-        before torch's loader changes anything."""
+        """The last pre-hook of ``load_state_dict``: reads, checks and converts everything it
+        will install (fusedopt/_checkpoint.py), refusing a state dict before torch's loader
+        changes anything."""
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         params = [(g, p) for g in self.param_groups for p in g["params"]]
-        packed = {}  # (param id, key) -> the packed 8-bit moment; read first: it may refuse
-        for pid, (_, p) in zip(saved_ids, params) if len(saved_ids) == len(params) else ():
-            saved = state_dict["state"].get(pid) or {}
-            for key in self._state_keys:
-                try:
-                    packed[pid, key] = lowp.packed_moment(saved, key, p)
-                except (ValueError, TypeError) as e:
-                    raise type(e)(f"{type(self).__name__}: param {pid} of the state dict: "
-                                  f"{e}") from None
-        packed = {k: v for k, v in packed.items() if v is not None}
         counts = self._foreign_counts(state_dict)
+        prepared = _checkpoint.Prepared()
+        if len(saved_ids) == len(params):  # else torch's loader refuses the state dict
+            saved_groups = {pid: g for g in state_dict["param_groups"] for pid in g["params"]}
+            for pid, (group, p) in zip(saved_ids, params):
+                saved = state_dict["state"].get(pid)
+                if not isinstance(saved, dict):
+                    continue
+                where = f"{type(self).__name__}: param {pid} of the state dict"
+                count = counts.get(pid)
+                if saved.get("step") is not None:
+                    count = _checkpoint.step_count(saved["step"], where)
+                loaded_group = {**group, **{k: v for k, v in saved_groups[pid].items()
+                                            if k != "params" and k not in _OWN_OPTIONS}}
+                prepared.state[pid] = _checkpoint.prepare_param(
+                    self, group, loaded_group, p, saved, count, where, prepared.converted)
         own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
-        self._load = (state_dict, saved_ids, params, packed, counts, own)
+        self._load = (state_dict, saved_ids, params, prepared, counts, own)
 
     # Note [foreign step counts]: a saved state whose moments have no step count of their own
     # takes its group's "step" (apex's FusedLAMB and timm's Lamb count there, once per step()).
@@ -878,7 +887,7 @@ class _TrustRatioOptimizer(Optimizer):
     # reads the count only to tell the first step (docs/math.md); LAMB's bias correction needs the
     # count, so such LAMB state is refused. The group's "step" goes once its counts are taken: a
     # count that no step advances would be wrong in every later checkpoint.
-    def _foreign_counts(self, state_dict: dict[str, Any]) -> dict[Any, Any]:
+    def _foreign_counts(self, state_dict: dict[str, Any]) -> dict[Any, float]:
         """Saved param id -> the count of its state, for states that have moments but no count
         (Note [foreign step counts]); raises ValueError for one that cannot be counted."""
         counts = {}
@@ -893,76 +902,20 @@ class _TrustRatioOptimizer(Optimizer):
                     raise ValueError(f"{type(self).__name__}: param {pid} of the state dict has "
                                      "moments but no step count, neither its own nor its param "
                                      "group's; LAMB's bias correction needs it")
-                counts[pid] = count
+                counts[pid] = _checkpoint.step_count(
+                    count, f"{type(self).__name__}: param group of param {pid} of the state dict")
         return counts
 
     def _loaded(self) -> None:
         """The first post-hook of ``load_state_dict``: the state as this optimizer keeps it."""
-        state_dict, saved_ids, params, packed, counts, own = self._load
+        state_dict, saved_ids, params, prepared, counts, own = self._load
         _unshare_lrs(self.param_groups)
         self._fresh()  # Note [step cache]; the loaded options are checked at step()
         for g, mine, saved_group in zip(self.param_groups, own, state_dict["param_groups"]):
             g.update(mine)
             if not counts.keys().isdisjoint(saved_group["params"]):
                 g.pop("step", None)  # Note [foreign step counts]
-        converted: set[tuple[str, str]] = set()
-        for pid, (group, p) in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if saved is None:
-                continue
-            lp = _local(p)
-            if pid in counts:
-                saved = {**saved, "step": counts[pid]}
-            for key, value in saved.items():
-                if key == "step" and (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                      or isinstance(value, torch.Tensor) and value.numel() == 1):
-                    # one rule for every backend: a float32 0-dim tensor on the param's device
-                    # (torch's older Python-number format and int64 steps converted; a count
-                    # taken from the group copied)
-                    if not (isinstance(value, torch.Tensor) and value.dim() == 0
-                            and value.dtype == torch.float32 and value.device == lp.device
-                            and self.state[p].get(key) is value):
-                        self.state[p][key] = torch.as_tensor(value).reshape(()).to(
-                            device=lp.device, dtype=torch.float32, copy=True)
-                if (not isinstance(value, torch.Tensor) or key == "step"
-                        or not (value.is_floating_point() or value.dtype == torch.uint8)):
-                    continue
-                if key == "master_param":
-                    self.state[p][key] = _laid_out_like(
-                        value.to(device=p.device, dtype=compute_dtype(lp.dtype)), p)
-                elif key in self._state_keys:
-                    value = packed.get((pid, key), value)
-                    self.state[p][key] = self._loaded_moment(group, p, key, value, converted)
-                elif key.endswith("_scales") and key[:-len("_scales")] in self._state_keys:
-                    self.state[p].pop(key, None)  # packed into its moment above
-        if converted:
-            warnings.warn(f"{type(self).__name__}.load_state_dict converted optimizer state from "
-                          "one format to another (" + ", ".join(
-                              f"{a} to {b}" for a, b in sorted(converted)) + "), to the groups' "
-                          "state_precision (docs/math.md, \"Low-precision state\")", stacklevel=2)
-
-    def _loaded_moment(self, group: dict[str, Any], p: torch.Tensor, key: str,
-                       value: torch.Tensor, converted: set) -> torch.Tensor:
-        """A saved moment as this optimizer stores it: in the format that ``group`` gives ``p``
-        (converted when it was saved in another, recording the pair in ``converted``), on the
-        param's device."""
-        lp = _local(p)
-        cd = compute_dtype(lp.dtype)
-        fmt = self._state_format(group, p)
-        if value.dtype not in _STATE_DTYPES.values():
-            value = value.to(device=p.device, dtype=cd)
-        else:
-            value = value.to(device=p.device)
-        have = lowp.format_of(value)
-        if have == fmt:
-            return _laid_out_like(value, p)
-        converted.add((have, fmt))
-        if not hasattr(p, "to_local"):
-            return _laid_out_like(lowp.convert(value, fmt, lp, root=key == "exp_avg_sq",
-                                               full_dtype=cd), p)
-        # a DTensor's moments convert shard by shard (8-bit ones are plain local tensors)
-        local = lowp.convert(_local(value), fmt, lp, root=key == "exp_avg_sq", full_dtype=cd)
-        return local if fmt == "8bit" else lowp.placed(local, p)
+        _checkpoint.install(self, prepared, saved_ids, params)
 
 
 class FusedLAMB(_TrustRatioOptimizer):

@@ -376,24 +376,16 @@ FUSEDOPT_INLINE BlockTop block_top(const float* __restrict__ x, int64_t n) {
   return {bits_float(top), top < kInfBits};
 }
 
-// The root map's words of a block of roots s (n <= kBlock): T, the largest bit pattern, and the
-// shift from the smallest nonzero one (Note [8-bit maps]); a block that is not finite gets
-// (NaN, 0).
+// The root map's words of a block whose roots' largest bit pattern (without sign) is top and
+// smallest nonzero one is low (0xffffffff: none): T = top and the shift (Note [8-bit maps]); a
+// block that is not finite gets (NaN, 0).
 struct RootWords {
   unsigned int top;
   int sh;
   bool finite;
 };
 
-FUSEDOPT_INLINE RootWords root_words(const float* __restrict__ s, int64_t n) {
-  unsigned int top = 0, low = 0xffffffffu;
-#pragma omp simd reduction(max : top) reduction(min : low)
-  for (int64_t k = 0; k < n; ++k) {
-    const unsigned int b = float_bits(s[k]) & 0x7fffffffu;
-    top = b > top ? b : top;
-    const unsigned int l = b == 0u ? 0xffffffffu : b;
-    low = l < low ? l : low;
-  }
+FUSEDOPT_INLINE RootWords root_words(unsigned int top, unsigned int low) {
   if (top >= kInfBits) return {kNanWord, 0, false};
   return {top, q8_root_shift(top, low == 0xffffffffu ? top : low), true};
 }
@@ -494,35 +486,43 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __res
     uint8_t* __restrict__ vc = v.codes + b;
     widen_codes(mc, vc, mi, vi, len);
     const G* __restrict__ gb = g + b;
-#pragma omp simd
+    unsigned int s_top = 0, s_low = 0xffffffffu;  // the root words' extremes (root_words)
+#pragma omp simd reduction(max : s_top) reduction(min : s_low)
     for (int k = 0; k < len; ++k) {
       const float s0 = q8_root_value(vi[k], top0, sh0);
       float mk = mul_rn(q8_direction_value(mi[k], f0), add_rn(s0, eps0));
       float vk = mul_rn(s0, s0);
       lamb_moments<float>(static_cast<float>(gb[k]) * gm, mk, vk, c);
       mb[k] = mk;
-      sb[k] = std::sqrt(q8_saturate(vk));
+      const float sk = std::sqrt(q8_saturate(vk));
+      sb[k] = sk;
+      const unsigned int bk = float_bits(sk) & 0x7fffffffu;
+      s_top = bk > s_top ? bk : s_top;
+      const unsigned int lk = bk == 0u ? 0xffffffffu : bk;
+      s_low = lk < s_low ? lk : s_low;
     }
-    const RootWords r = root_words(sb, len);
+    const RootWords r = root_words(s_top, s_low);
     const unsigned int bits0 = sr_bits(base, static_cast<unsigned int>(e0 + b));
+    unsigned int d_top = 0;  // the largest bit pattern of |d| (block_top)
     if (r.finite) {
-#pragma omp simd
+#pragma omp simd reduction(max : d_top)
       for (int k = 0; k < len; ++k) {
         const unsigned int round = q8_root_stochastic(bits0 + sr_step(k), r.sh);
         const int cv = q8_root_code(sb[k], r.top, r.sh, round);
         vi[k] = cv;
-        mb[k] = div_rn(mb[k], add_rn(q8_root_value(cv, r.top, r.sh), c.eps8));  // d
+        const float dk = div_rn(mb[k], add_rn(q8_root_value(cv, r.top, r.sh), c.eps8));
+        mb[k] = dk;
+        const unsigned int ak = float_bits(dk) & 0x7fffffffu;
+        d_top = ak > d_top ? ak : d_top;
       }
     } else {  // codes 255 read as the NaN of the block's words
-      for (int k = 0; k < len; ++k) {
-        vi[k] = 255;
-        mb[k] = std::numeric_limits<float>::quiet_NaN();
-      }
+      for (int k = 0; k < len; ++k) vi[k] = 255;
+      d_top = kNanWord;
     }
     wv[0] = r.top;
     wv[1] = static_cast<unsigned int>(r.sh);
     const float* __restrict__ wf = float_block(w + b, len, wb);
-    const BlockTop t = block_top(mb, len);
+    const BlockTop t{bits_float(d_top), d_top < kInfBits};
     const float f = t.finite ? q8_direction_step(t.top) : std::numeric_limits<float>::quiet_NaN();
     const Scaling sc = q8_scaling(t.top, 127.0f);  // a tiny block is prescaled (P = 2^64)
     if (!t.finite) {  // coded 0, read as 0 * NaN

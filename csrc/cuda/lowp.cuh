@@ -1,9 +1,10 @@
 // Low-precision optimizer state on CUDA (docs/math.md "Low-precision state", Note [state formats]
-// in fusedopt/math.h): the per-tensor format in the launch tables, the packed 8-bit layout, the
-// iteration over 8-bit blocks and the reduction of a block's largest value. The functors of
-// lamb.cu and lars.cu branch on a tensor's format once per chunk; the per-element math is the
-// rounded-operation functions of math.h (Note [rounded operations]), so that the kernels store
-// the bits the cpp backend stores (csrc/cpu/ops.cpp, lamb_pass1_chunk_q8 and its siblings).
+// and Note [8-bit maps] in fusedopt/math.h): the per-tensor format in the launch tables, the
+// packed 8-bit layout, the iteration over 8-bit blocks, the reductions of a block's words and the
+// dynamic map's table. The functors of lamb.cu and lars.cu branch on a tensor's format once per
+// chunk; the per-element math is the rounded-operation functions of math.h (Note [rounded
+// operations]), so that the kernels store the bytes the cpp backend stores (csrc/cpu/ops.cpp,
+// lamb_pass1_chunk_q8 and its siblings).
 #pragma once
 
 #include <cstdint>
@@ -62,11 +63,13 @@ __device__ __forceinline__ unsigned int slot_first(const TensorTable<kRows>& t, 
 
 // --------------------------------------------------------------------------- 8-bit layout
 
-// A packed 8-bit moment from a chunk's first element on (a multiple of kQBlock): the scales of
-// its blocks and its codes (C: signed char for the signed map, unsigned char for the root map).
+// A packed 8-bit moment from a chunk's first element on (a multiple of kQBlock): the two 32-bit
+// words (w0, w1) of each of its blocks (Note [8-bit maps] in fusedopt/math.h) and its codes (C:
+// signed char for the direction and dynamic maps, unsigned char for the root map). The words
+// start on a 4-byte boundary only (the packed tensor does), so they are read one by one.
 template <typename C>
 struct Packed {
-  float* scales;
+  unsigned int* words;  // words[2q], words[2q + 1]: block q of the chunk
   C* codes;
 };
 
@@ -74,7 +77,7 @@ template <typename C, int kRows>
 __device__ __forceinline__ Packed<C> chunk_packed(const TensorTable<kRows>& t, int row, int slot,
                                                   int64_t begin) {
   unsigned char* bytes = static_cast<unsigned char*>(t.ptrs[row][slot]);
-  return {reinterpret_cast<float*>(bytes) + begin / kQBlock,
+  return {reinterpret_cast<unsigned int*>(bytes) + 2 * (begin / kQBlock),
           reinterpret_cast<C*>(bytes + q8_codes_offset(t.numel[slot])) + begin};
 }
 
@@ -133,7 +136,9 @@ __device__ __forceinline__ void store_codes(C* __restrict__ p, const C (&x)[kLan
 // q = r*kWarps + w, lane l its elements [8l, 8l + 8). body(round, q, off, n) gets off = q*kQBlock
 // + 8l, the lane's first element in the chunk, and n, how many of its 8 elements exist (0 for a
 // lane past the chunk's end or a warp without a block in the last round). Every thread of the
-// block calls body the same number of times, so body may meet at block_tops.
+// block calls body the same number of times, so body may meet at block_max. A block's words are
+// read by every lane of its warp before the block's first block_max and written by lane 0 after
+// it, so no lane reads a word another has already replaced.
 template <typename Body>
 __device__ __forceinline__ void for_each_q8_slice(int count, const Body& body) {
   const int blocks = (count + kQBlock - 1) / kQBlock;
@@ -148,53 +153,74 @@ __device__ __forceinline__ void for_each_q8_slice(int count, const Body& body) {
   }
 }
 
-// The largest value of top[k] and whether every finite[k] is true over the warp's lanes, for
-// each of K moments, given to every lane: shuffles down to lane 0, which leaves them in shared
-// memory for its warp, read after one __syncthreads. The buffer alternates with the round's
-// parity, so a round's writes never meet the previous round's reads (those happened before the
-// barrier of the round in between). Every thread of the block calls this once per round of
-// for_each_q8_slice. The largest value and the test do not depend on the order of the lanes:
-// the block's scales are those of block_top in csrc/cpu/ops.cpp.
-template <int K>
-__device__ __forceinline__ void block_tops(float (&top)[K], bool (&finite)[K], int round) {
-  __shared__ float tops[2][K][kWarps];
-  __shared__ int oks[2][K][kWarps];
+// The reductions over an 8-bit block, one site each (kSite): every site has a shared buffer of
+// its own, so that the reductions of one round may follow each other with no barrier between
+// them.
+enum ReduceSite : int { kRootWordsSite, kDirectionTopSite, kBufferTopSite };
+
+// The largest of x[k] over the lanes of the warp, for each of K unsigned values, given to every
+// lane: shuffles down to lane 0, which leaves them in shared memory for its warp, read after one
+// __syncthreads. The buffer alternates with the round's parity, so a round's writes never meet
+// the previous round's reads (those happened before the barrier of the round in between). Every
+// thread of the block calls this once per round of for_each_q8_slice and site. The maps' block
+// values are largest bit patterns of magnitudes (Note [8-bit maps]: for magnitudes their order is
+// the values', and only inf and NaN lie at kInfBits or above); an integer maximum does not depend
+// on the order of the lanes, so the words are those of csrc/cpu/ops.cpp's block_top and
+// root_words.
+template <int kSite, int K>
+__device__ __forceinline__ void block_max(unsigned int (&x)[K], int round) {
+  __shared__ unsigned int tops[2][K][kWarps];
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int buf = round & 1;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    float t = top[k];
-    int ok = finite[k] ? 1 : 0;
+    unsigned int t = x[k];
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) {
-      const float o = __shfl_down_sync(0xffffffffu, t, d);
+      const unsigned int o = __shfl_down_sync(0xffffffffu, t, d);
       t = o > t ? o : t;
-      ok &= __shfl_down_sync(0xffffffffu, ok, d);
     }
-    if (lane == 0) {
-      tops[buf][k][warp] = t;
-      oks[buf][k][warp] = ok;
-    }
+    if (lane == 0) tops[buf][k][warp] = t;
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    top[k] = tops[buf][k][warp];
-    finite[k] = oks[buf][k][warp] != 0;
-  }
+  for (int k = 0; k < K; ++k) x[k] = tops[buf][k][warp];
 }
 
-// A lane's contribution to block_tops: the largest |x| (NaN never wins) and the finite test.
-__device__ __forceinline__ void lane_top(float x, float& top, bool& finite) {
-  const float a = std::fabs(x);
-  top = a > top ? a : top;
-  finite = finite && finite_rn(x);
+// The bit pattern of |x| (integer operations: exact on the device as on the host).
+__device__ __forceinline__ unsigned int magnitude_bits(float x) {
+  return float_bits(x) & 0x7fffffffu;
 }
 
-// The scale stored for a block: NaN when it holds a value that is not finite (its codes are 0).
-__device__ __forceinline__ float block_scale(float scale, bool finite) {
-  return finite ? scale : bits_float(0x7fc00000u);
+__device__ __forceinline__ unsigned int max_u32(unsigned int a, unsigned int b) {
+  return a > b ? a : b;
+}
+
+// A lane's part of the root map's words (q8_root_shift): x[0] the largest bit pattern of its
+// roots, x[1] the largest complement of the nonzero ones (its smallest nonzero pattern, or 0 for
+// none), so that one maximum reduces both.
+__device__ __forceinline__ void lane_root_words(float s, unsigned int (&x)[2]) {
+  const unsigned int b = magnitude_bits(s);
+  x[0] = max_u32(x[0], b);
+  x[1] = max_u32(x[1], b == 0u ? 0u : ~b);
+}
+
+// V[mag] of the dynamic map (Note [8-bit maps]), for every thread of the block in shared memory:
+// fill_dynamic_units writes it (threads 0..127, q8_dynamic_unit itself, so the values are those
+// of the host's table bit for bit), and it may be read after the next __syncthreads of the
+// block.
+constexpr int kDynamicUnits = 128;
+static_assert(kBlockSize >= kDynamicUnits, "one thread per value of the dynamic map's table");
+
+__device__ __forceinline__ float* dynamic_units() {
+  __shared__ float units[kDynamicUnits];
+  return units;
+}
+
+__device__ __forceinline__ void fill_dynamic_units() {
+  const int i = static_cast<int>(threadIdx.x);
+  if (i < kDynamicUnits) dynamic_units()[i] = q8_dynamic_unit(i);
 }
 
 }  // namespace cuda

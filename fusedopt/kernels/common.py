@@ -165,22 +165,23 @@ def tile_lanes(PHASE: tl.constexpr, o, n):
 @triton.jit
 def state_ptrs(rec, COLUMN: tl.constexpr, ALIGNED: tl.constexpr, QB: tl.constexpr):
     """The pointers of the state in column COLUMN as each low-precision format reads it, as
-    ``[ROWS, 1, 1]`` columns: bf16 bits (uint16), and the 8-bit scales (float32) and codes (int8
-    and uint8 views) of a packed tensor (docs/math.md: the scales padded to 64 bytes, then the
-    codes, ``q8_codes_offset`` of math.h computed from the tensor's NUMEL)."""
+    ``[ROWS, 1, 1]`` columns: bf16 bits (uint16), and the 8-bit block words (two int32 bit
+    patterns per block, ``(w0, w1)``) and codes (int8 and uint8 views) of a packed tensor
+    (docs/math.md: the words padded to 64 bytes, then the codes, ``q8_codes_offset`` of math.h
+    computed from the tensor's NUMEL)."""
     raw = tl.load(rec + COLUMN)
     blocks = (tl.load(rec + NUMEL) + QB - 1) // QB
-    codes = raw + 4 * ((blocks + 15) // 16) * 16
+    codes = raw + 4 * ((2 * blocks + 15) // 16) * 16
     half = raw.to(tl.pointer_type(tl.uint16))
-    scales = raw.to(tl.pointer_type(tl.float32))
+    words = raw.to(tl.pointer_type(tl.int32))
     signed = codes.to(tl.pointer_type(tl.int8))
     unsigned = codes.to(tl.pointer_type(tl.uint8))
     if ALIGNED:
         half = tl.multiple_of(half, 16)
-        scales = tl.multiple_of(scales, 16)
+        words = tl.multiple_of(words, 16)
         signed = tl.multiple_of(signed, 16)
         unsigned = tl.multiple_of(unsigned, 16)
-    return (half[:, None, None], scales[:, None, None], signed[:, None, None],
+    return (half[:, None, None], words[:, None, None], signed[:, None, None],
             unsigned[:, None, None])
 
 

@@ -18,7 +18,10 @@ kernels/tables.py): with float32 compute, a program with a bf16 or 8-bit row run
 and run each format present among the program's rows: pass 1 reads the stored moments, updates
 them in float32, stores them rounded to the format (``v`` stochastically, with the random bits of
 the tensor's step count and key) and takes ``u`` from the values it stored; pass 2 takes ``u``
-from the same stored values (csrc/cpu/ops.cpp's ``lamb_pass{1,2}_chunk_{bf16,q8}``).
+from the same stored values (csrc/cpu/ops.cpp's ``lamb_pass{1,2}_chunk_{bf16,q8}``). 8-bit state
+holds the direction ``d = m / (s + ε)`` in ``exp_avg`` and the root ``s = sqrt(v)`` in
+``exp_avg_sq`` (Note [8-bit maps] in csrc/fusedopt/math.h), so ``u = c8·d + λ·w`` and pass 2
+reads ``exp_avg`` alone.
 
 Hyper-parameters are float64 runtime arguments (Note [float64 scalars] in math.py) and the
 variant flags bits of the runtime ``flags`` (Note [runtime flags] in kernels/tables.py);
@@ -28,9 +31,10 @@ import triton
 import triton.language as tl
 
 from .math import (
-    QBLOCK, bf16_rne, bf16_stochastic, bf16_value, block_top, ieee_sqrt, lamb_apply, lamb_coef,
-    lamb_direction, lamb_direction_s, lamb_moments, lamb_trust_ratio, q8_root_block, q8_root_code,
-    q8_root_value, q8_signed_block, q8_signed_code, q8_signed_value, sr_base, sr_bits,
+    NAN_WORD, QBLOCK, bf16_rne, bf16_stochastic, bf16_value, bits_float, block_top, float_bits,
+    ieee_div, ieee_sqrt, lamb_apply, lamb_coef, lamb_coef8, lamb_direction, lamb_moments,
+    lamb_trust_ratio, q8_direction_code, q8_direction_step, q8_direction_value, q8_root_code,
+    q8_root_stochastic, q8_root_value, q8_saturate, q8_scaling, root_words, sr_base, sr_bits,
 )
 from .common import (
     ADAPT, BIAS_CORRECTION, BOUNDED, FORMAT, GRAD, KEY, LR_TENSOR, MASTER, OUT, PARAM, PASS_KERNEL,
@@ -95,34 +99,45 @@ def _pass1_tile_bf16(w_ptr, g_ptr, m_ptr, v_ptr, mask, e, base, gm, beta1, beta2
 
 
 @triton.jit
-def _pass1_tile_q8(w_ptr, g_ptr, ms_ptr, mc_ptr, vs_ptr, vc_ptr, bmask, mask, e, base, gm, beta1,
-                   beta2, beta3, one_minus_beta2, r1, r2, eps, lambda_in_u):
-    """One tile of pass 1 with 8-bit moments, whole blocks (``[ROWS, NB, 256]``; ``ms_ptr``,
-    ``vs_ptr``: the blocks' scales ``[ROWS, NB, 1]``, where ``bmask``; ``mc_ptr``, ``vc_ptr``: the
-    codes): the stored moments read and updated, each block's scales found and stored, the codes
-    written (``v``'s stochastically), ``u`` from the values just stored. Returns ``(w², u²)``."""
+def _pass1_tile_q8(w_ptr, g_ptr, mw_ptr, mc_ptr, vw_ptr, vc_ptr, bmask, mask, e, base, gm, beta1,
+                   beta2, beta3, one_minus_beta2, eps8, c8, lambda_in_u):
+    """One tile of pass 1 with 8-bit moments, whole blocks (``[ROWS, NB, 256]``; ``mw_ptr``,
+    ``vw_ptr``: the blocks' first words ``[ROWS, NB, 1]``, where ``bmask``; ``mc_ptr``,
+    ``vc_ptr``: the codes), as csrc/cpu/ops.cpp's lamb_pass1_chunk_q8: ``m = d·(s + ε)`` and
+    ``v = s·s`` read and updated; the roots ``s = sqrt(saturate(v))`` stored (stochastically,
+    with the bits of the elements ``e``), the direction ``d = m / (s + eps8)`` from the roots as
+    stored, then ``u = c8·d + λ·w`` from the directions as stored. Returns ``(w², u²)``."""
     w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
-    m = q8_signed_value(tl.load(mc_ptr, mask=mask, other=0).to(tl.int32),
-                        tl.load(ms_ptr, mask=bmask, other=0.0))
-    s = q8_root_value(tl.load(vc_ptr, mask=mask, other=0).to(tl.int32),
-                      tl.load(vs_ptr, mask=bmask, other=0.0))
-    m, v = lamb_moments(g, m, s * s, beta1, beta2, beta3, one_minus_beta2)
-    m = tl.where(mask, m, 0.0)  # lanes past the tensor's end take no part in its blocks
-    v = tl.where(mask, v, 0.0)
-    m_top, m_ok = block_top(m)
-    v_top, v_ok = block_top(v)
-    fm, qm = q8_signed_block(m_top, m_ok)
-    fv, qv = q8_root_block(v_top, v_ok)
-    tl.store(ms_ptr, fm[:, :, None], mask=bmask)
-    tl.store(vs_ptr, fv[:, :, None], mask=bmask)
-    cm = tl.where(m_ok[:, :, None], q8_signed_code(m, qm[:, :, None]), 0)
-    cv = tl.where(v_ok[:, :, None], q8_root_code(ieee_sqrt(v), qv[:, :, None], sr_bits(base, e)),
-                  0)
-    tl.store(mc_ptr, cm.to(tl.int8), mask=mask)
+    f0 = bits_float(tl.load(mw_ptr, mask=bmask, other=0))
+    eps0 = bits_float(tl.load(mw_ptr + 1, mask=bmask, other=0))
+    s0 = q8_root_value(tl.load(vc_ptr, mask=mask, other=0).to(tl.int32),
+                       tl.load(vw_ptr, mask=bmask, other=0), tl.load(vw_ptr + 1, mask=bmask, other=0))
+    m = q8_direction_value(tl.load(mc_ptr, mask=mask, other=0).to(tl.int32), f0) * (s0 + eps0)
+    m, v = lamb_moments(g, m, s0 * s0, beta1, beta2, beta3, one_minus_beta2)
+    s = tl.where(mask, ieee_sqrt(q8_saturate(v)), 0.0)  # lanes past the end: not in a block
+    top, sh, v_ok = root_words(s)
+    top3 = top[:, :, None]
+    sh3 = sh[:, :, None]
+    v_ok3 = v_ok[:, :, None]
+    cv = tl.where(v_ok3, q8_root_code(s, top3, sh3, q8_root_stochastic(sr_bits(base, e), sh3)),
+                  255)  # a block that is not finite: codes 255, read as its NaN word
+    tl.store(vw_ptr, tl.where(v_ok, top, NAN_WORD)[:, :, None], mask=bmask)
+    tl.store(vw_ptr + 1, tl.where(v_ok, sh, 0)[:, :, None], mask=bmask)
     tl.store(vc_ptr, cv.to(tl.uint8), mask=mask)
-    u = lamb_direction_s(w, q8_signed_value(cm, fm[:, :, None]), q8_root_value(cv, fv[:, :, None]),
-                         r1, r2, eps, lambda_in_u)
+    d = ieee_div(m, q8_root_value(cv, top3, sh3) + eps8)
+    d = tl.where(mask, d, 0.0)
+    a, d_ok = block_top(d)
+    d_ok = d_ok & v_ok
+    f = tl.where(d_ok, q8_direction_step(a), float("nan"))[:, :, None]
+    p, q = q8_scaling(a, 127.0)  # a tiny block is prescaled (P = 2^64)
+    d = tl.where(d_ok[:, :, None], d, 0.0)  # a block that is not finite: codes 0, read as 0·NaN
+    cm = q8_direction_code(d * p[:, :, None], q[:, :, None])
+    tl.store(mw_ptr, float_bits(f).to(tl.int32, bitcast=True), mask=bmask)
+    tl.store(mw_ptr + 1, tl.broadcast_to(float_bits(eps8).to(tl.int32, bitcast=True), f.shape),
+             mask=bmask)
+    tl.store(mc_ptr, cm.to(tl.int8), mask=mask)
+    u = c8 * q8_direction_value(cm, f) + lambda_in_u * w
     return w * w, masked_sq(u, mask)
 
 
@@ -142,8 +157,9 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
     vf3 = v_ptr[:, :, None]
     r1 = r1[:, None, None]
     r2 = r2[:, None, None]
-    mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
-    vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
+    eps8, c8 = lamb_coef8(eps, r1, r2)  # 8-bit state (Note [8-bit maps] in math.h)
+    mh, mw, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
+    vh, vw, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
     key = tl.load(rec + KEY)
     base = sr_base(t, key)[:, None, None]
     first = (key >> 32)[:, None, None]  # docs/math.md, "Random bits"
@@ -170,9 +186,9 @@ def _pass1_lowp(rec, start, n, fmt, t, w_ptr, g_ptr, m_ptr, v_ptr, gm, b1, b2, b
                 e = start3 + o
                 blk = (start3 + off) // QBLOCK + nb
                 bmask = ((off + nb * QBLOCK) < n3) & q8
-                sw, su = _pass1_tile_q8(w3 + o, g3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask,
-                                        inside & q8, first + e, base, gm, b1, b2, b3, omb2, r1, r2,
-                                        eps, lam)
+                sw, su = _pass1_tile_q8(w3 + o, g3 + o, mw + 2 * blk, mc + e, vw + 2 * blk, vc + e,
+                                        bmask, inside & q8, first + e, base, gm, b1, b2, b3, omb2,
+                                        eps8, c8, lam)
                 acc_w += sw
                 acc_u += su
     return (tl.sum(tl.reshape(acc_w, [ROWS, BLOCK]), 1),
@@ -272,15 +288,14 @@ def _pass2_tile_bf16(w_ptr, p_ptr, m_ptr, v_ptr, mask, r1, r2, eps, lambda_in_u,
 
 
 @triton.jit
-def _pass2_tile_q8(w_ptr, p_ptr, ms_ptr, mc_ptr, vs_ptr, vc_ptr, bmask, mask, r1, r2, eps,
-                   lambda_in_u, lr_phi, decay, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr):
-    """One tile of pass 2 with 8-bit moments (whole blocks, as ``_pass1_tile_q8``)."""
+def _pass2_tile_q8(w_ptr, p_ptr, mw_ptr, mc_ptr, bmask, mask, c8, lambda_in_u, lr_phi, decay,
+                   P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr):
+    """One tile of pass 2 with 8-bit moments (whole blocks, as ``_pass1_tile_q8``): ``u = c8·d +
+    λ·w`` from the stored directions alone (``exp_avg_sq`` is not read)."""
     w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
-    m = q8_signed_value(tl.load(mc_ptr, mask=mask, other=0).to(tl.int32),
-                        tl.load(ms_ptr, mask=bmask, other=0.0))
-    s = q8_root_value(tl.load(vc_ptr, mask=mask, other=0).to(tl.int32),
-                      tl.load(vs_ptr, mask=bmask, other=0.0))
-    u = lamb_direction_s(w, m, s, r1, r2, eps, lambda_in_u)
+    f = bits_float(tl.load(mw_ptr, mask=bmask, other=0))
+    u = c8 * q8_direction_value(tl.load(mc_ptr, mask=mask, other=0).to(tl.int32), f) \
+        + lambda_in_u * w
     _store_weight(w_ptr, p_ptr, lamb_apply(w, u, lr_phi, decay), mask, P_DTYPE, HAS_MASTER)
 
 
@@ -299,8 +314,9 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps, lam
     r1 = r1[:, None, None]
     r2 = r2[:, None, None]
     lr_phi = lr_phi[:, None, None]
-    mh, ms, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
-    vh, vs, _, vc = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
+    _, c8 = lamb_coef8(eps, r1, r2)  # 8-bit state (Note [8-bit maps] in math.h)
+    mh, mw, mc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
+    vh, _, _, _ = state_ptrs(rec, STATE1, ALIGNED, QBLOCK)
     full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
     for phase in tl.static_range(2):  # Note [whole tiles] in common.py
         lo, hi = tile_range(phase, n, BLOCK)
@@ -318,8 +334,8 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, m_ptr, v_ptr, r1, r2, eps, lam
                 e = start3 + o
                 blk = (start3 + off) // QBLOCK + nb
                 bmask = ((off + nb * QBLOCK) < n3) & q8
-                _pass2_tile_q8(w3 + o, p3 + o, ms + blk, mc + e, vs + blk, vc + e, bmask,
-                               inside & q8, r1, r2, eps, lam, lr_phi, decay, P_DTYPE, HAS_MASTER)
+                _pass2_tile_q8(w3 + o, p3 + o, mw + 2 * blk, mc + e, bmask, inside & q8, c8, lam,
+                               lr_phi, decay, P_DTYPE, HAS_MASTER)
 
 
 @triton.jit(**PASS_KERNEL)

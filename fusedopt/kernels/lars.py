@@ -8,16 +8,20 @@ between), reads w, g, v and writes v and w (the fp32 master, and the param round
 even). Memory traffic per element: 8 + 20 bytes, docs/math.md's 28 for float32.
 
 A bf16 or 8-bit momentum buffer (docs/math.md, "Low-precision state"; Note [state formats in the
-tables] in kernels/tables.py) is stored rounded to nearest (even), and the step moves by the
-buffer as stored (csrc/cpu/ops.cpp's ``lars_pass2_chunk_{bf16,q8}``): with float32 compute, a
-program with such a row runs the tiles of ``_pass2_lowp``, whole 8-bit blocks per tile.
+tables] in kernels/tables.py) is stored rounded to nearest (bf16: even; 8-bit: the dynamic map
+of Note [8-bit maps] in csrc/fusedopt/math.h), and the step moves by the buffer just computed in
+float32, before its rounding (csrc/cpu/ops.cpp's ``lars_pass2_chunk_{bf16,q8}``): the trust ratio
+does not depend on the buffer, so nothing reads the rounded one before the next step. With
+float32 compute, a program with such a row runs the tiles of ``_pass2_lowp``, whole 8-bit blocks
+per tile.
 """
 import triton
 import triton.language as tl
 
 from .math import (
-    QBLOCK, bf16_rne, bf16_value, block_top, lars_apply, lars_buffer, lars_coef, lars_direction,
-    lars_step, lars_trust_ratio, q8_signed_block, q8_signed_code, q8_signed_value,
+    NAN_WORD, QBLOCK, bf16_rne, bf16_value, bits_float, block_top, float_bits, lars_apply,
+    lars_buffer, lars_coef, lars_direction, lars_step, lars_trust_ratio, q8_dynamic_code,
+    q8_dynamic_value, q8_scaling,
 )
 from .common import (
     ADAPT, COMBINED, FORMAT, GRAD, LR_IN_MOMENTUM, LR_TENSOR, MASTER, NESTEROV, OUT, PARAM,
@@ -121,37 +125,42 @@ def _pass2_full(w_ptr, p_ptr, g_ptr, v_ptr, n, gm, ratio, lam, lr, mu, keep, add
 @triton.jit
 def _pass2_tile_bf16(w_ptr, p_ptr, g_ptr, v_ptr, mask, gm, ratio, lam, lr, mu, keep, add,
                      P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov, lr_in_momentum):
-    """One tile of pass 2 with a bf16 buffer (``v_ptr``: its bits): the new buffer rounded to
-    nearest even, the step from it."""
+    """One tile of pass 2 with a bf16 buffer (``v_ptr``: its bits): the step from the new buffer,
+    which is stored rounded to nearest even."""
     w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
     d = lars_direction(w, g, ratio, lam)
-    vq = bf16_rne(lars_buffer(d, bf16_value(tl.load(v_ptr, mask=mask, other=0)), keep, add))
-    tl.store(v_ptr, vq.to(tl.uint16), mask=mask)
-    w = lars_step(w, d, bf16_value(vq), lr, mu, nesterov, lr_in_momentum)
+    v = lars_buffer(d, bf16_value(tl.load(v_ptr, mask=mask, other=0)), keep, add)
+    tl.store(v_ptr, bf16_rne(v).to(tl.uint16), mask=mask)
+    w = lars_step(w, d, v, lr, mu, nesterov, lr_in_momentum)
     _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE, HAS_MASTER)
 
 
 @triton.jit
-def _pass2_tile_q8(w_ptr, p_ptr, g_ptr, s_ptr, c_ptr, bmask, mask, gm, ratio, lam, lr, mu, keep,
+def _pass2_tile_q8(w_ptr, p_ptr, g_ptr, vw_ptr, c_ptr, bmask, mask, gm, ratio, lam, lr, mu, keep,
                    add, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov, lr_in_momentum):
-    """One tile of pass 2 with an 8-bit buffer, whole blocks (``[ROWS, NB, 256]``; ``s_ptr``: the
-    blocks' scales ``[ROWS, NB, 1]``, where ``bmask``; ``c_ptr``: the codes): the new buffer in
-    the signed map rounded to nearest, each block's scale stored, the step from the stored
-    buffer."""
+    """One tile of pass 2 with an 8-bit buffer, whole blocks (``[ROWS, NB, 256]``; ``vw_ptr``: the
+    blocks' first words ``[ROWS, NB, 1]``, where ``bmask``; ``c_ptr``: the codes), as
+    csrc/cpu/ops.cpp's lars_pass2_chunk_q8: the step from the new buffer, which is then stored in
+    the dynamic map with the words ``(bits(a), 0)`` (a block that is not finite: ``(NaN, 0)`` and
+    codes 0)."""
     w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
     d = lars_direction(w, g, ratio, lam)
-    old = q8_signed_value(tl.load(c_ptr, mask=mask, other=0).to(tl.int32),
-                          tl.load(s_ptr, mask=bmask, other=0.0))
-    v = tl.where(mask, lars_buffer(d, old, keep, add), 0.0)  # lanes past the end: not in a block
-    top, ok = block_top(v)
-    f, q = q8_signed_block(top, ok)
-    tl.store(s_ptr, f[:, :, None], mask=bmask)
-    cv = tl.where(ok[:, :, None], q8_signed_code(v, q[:, :, None]), 0)
+    old = q8_dynamic_value(tl.load(c_ptr, mask=mask, other=0).to(tl.int32),
+                           bits_float(tl.load(vw_ptr, mask=bmask, other=0)))
+    v = lars_buffer(d, old, keep, add)
+    _store_weight(w_ptr, p_ptr, lars_step(w, d, v, lr, mu, nesterov, lr_in_momentum), mask,
+                  P_DTYPE, HAS_MASTER)
+    v = tl.where(mask, v, 0.0)  # lanes past the end: not in a block
+    a, ok = block_top(v)
+    p, q = q8_scaling(a, 1.0)
+    ok3 = ok[:, :, None]
+    cv = q8_dynamic_code(tl.where(ok3, v, 0.0), p[:, :, None], q[:, :, None])  # 0 where not ok
     tl.store(c_ptr, cv.to(tl.int8), mask=mask)
-    w = lars_step(w, d, q8_signed_value(cv, f[:, :, None]), lr, mu, nesterov, lr_in_momentum)
-    _store_weight(w_ptr, p_ptr, w, mask, P_DTYPE, HAS_MASTER)
+    tl.store(vw_ptr, tl.where(ok, float_bits(a).to(tl.int32, bitcast=True), NAN_WORD)[:, :, None],
+             mask=bmask)
+    tl.store(vw_ptr + 1, tl.zeros_like(ok3.to(tl.int32)), mask=bmask)
 
 
 @triton.jit
@@ -171,7 +180,7 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, 
     ratio = ratio[:, None, None]
     keep = keep[:, None, None]
     add = add[:, None, None]
-    vh, vs, vc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
+    vh, vw, vc, _ = state_ptrs(rec, STATE0, ALIGNED, QBLOCK)
     full, half, q8, any_full, any_half, any_q8 = format_rows(fmt)
     for phase in tl.static_range(2):  # Note [whole tiles] in common.py
         lo, hi = tile_range(phase, n, BLOCK)
@@ -189,7 +198,7 @@ def _pass2_lowp(rec, start, n, fmt, w_ptr, p_ptr, g_ptr, v_ptr, gm, ratio, lam, 
             if any_q8:
                 blk = (start3 + off) // QBLOCK + nb
                 bmask = ((off + nb * QBLOCK) < n3) & q8
-                _pass2_tile_q8(w3 + o, p3 + o, g3 + o, vs + blk, vc + (start3 + o), bmask,
+                _pass2_tile_q8(w3 + o, p3 + o, g3 + o, vw + 2 * blk, vc + (start3 + o), bmask,
                                inside & q8, gm, ratio, lam, lr, mu, keep, add, P_DTYPE,
                                HAS_MASTER, nesterov, lr_in_momentum)
 

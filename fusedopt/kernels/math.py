@@ -205,14 +205,25 @@ def lars_apply(w, g, v, ratio, lam, lr, mu, keep, add, nesterov, lr_in_momentum)
 
 # ----------------------------------------------------------------------- low-precision state
 # Note [state formats in the kernels]: docs/math.md, "Low-precision state", and the functions of
-# the same names in csrc/fusedopt/math.h, whose cpp backend these equal bit for bit under the
-# interpreter. Everything is float32 with one rounding per operation in the order written (the
-# launcher compiles with fp fusion off, so no multiply-add is contracted: Note [no FMA] in
-# kernels/tables.py) and integer operations on float32 bit patterns; the hash is uint32
-# arithmetic (wrapping multiplies). Codes travel as int32 between these functions.
+# the same names in csrc/fusedopt/math.h (Note [8-bit maps] there), whose cpp backend these equal
+# bit for bit under the interpreter. Everything is float32 with one rounding per operation in the
+# order written (the launcher compiles with fp fusion off, so no multiply-add is contracted: Note
+# [no FMA] in kernels/tables.py) and integer operations on float32 bit patterns; the hash is
+# uint32 arithmetic (wrapping multiplies). Codes travel as int32 between these functions, and a
+# block's two words (w0, w1) as int32 bit patterns. The kernels evaluate every lane of a tile
+# (selects, not branches), so a value a lane does not keep is made harmless before it reaches a
+# float-to-int conversion (a block that is not finite is coded from zeros, as math.h's callers
+# do).
 QBLOCK: tl.constexpr = tl.constexpr(256)  # elements per 8-bit block (kQBlock)
-SIGNED_OFFSET: tl.constexpr = tl.constexpr((127 - 15) << 3)  # 896, E4M3 (kSignedOffset)
-ROOT_OFFSET: tl.constexpr = tl.constexpr((127 - 15) << 4)  # 1792, E4M4 (kRootOffset)
+WEYL: tl.constexpr = tl.constexpr(0x9E3779B9)  # bits(e) = base + e*WEYL (kWeyl)
+NAN_WORD: tl.constexpr = tl.constexpr(0x7FC00000)  # kNanWord
+INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # kInfBits
+TINY: tl.constexpr = tl.constexpr(2.0 ** -64)  # kTiny: below it a block is prescaled
+PRESCALE: tl.constexpr = tl.constexpr(2.0 ** 64)  # kPrescale
+ROOT_RANGE: tl.constexpr = tl.constexpr(24 << 23)  # kRootRange: the root map's 24 octaves
+ROOT_SHIFTS: tl.constexpr = tl.constexpr(21)  # kRootShifts: 254 << 20 covers ROOT_RANGE
+ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + it) - it is rint(y)
+ONE_SEVENTH_BITS: tl.constexpr = tl.constexpr(0x3E124925)  # float32(1/7)
 
 
 @triton.jit
@@ -235,8 +246,9 @@ def sr_base(t, key):
 
 @triton.jit
 def sr_bits(base, e):
-    """``bits(e)`` of the element ``e`` (int64 index in its tensor, taken mod 2^32)."""
-    return mix32(base ^ e.to(tl.uint32))
+    """``bits(e) = base + e·0x9e3779b9`` (mod 2^32) of the element ``e`` (int64 index in its
+    tensor, taken mod 2^32): a Weyl sequence from the hashed base (docs/math.md, "Random bits")."""
+    return base + e.to(tl.uint32) * tl.full((), WEYL, tl.uint32)
 
 
 @triton.jit
@@ -250,8 +262,16 @@ def bits_float(u):
 
 
 @triton.jit
+def magnitude_bits(x):
+    """The bit pattern of ``|x|`` (int32, >= 0): for magnitudes the order of the patterns is the
+    values', and only inf and NaN lie at INF_BITS or above."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
 def bf16_rne(x):
-    """The bf16 bits (in a uint32) of float32 ``x`` rounded to nearest even; NaN gives 0x7fc0."""
+    """The bf16 bits (in a uint32) of float32 ``x`` rounded to nearest even; every NaN (any sign
+    or payload) gives 0x7fc0."""
     u = float_bits(x)
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     return tl.where(x != x, tl.full((), 0x7FC0, tl.uint32), r)
@@ -260,7 +280,7 @@ def bf16_rne(x):
 @triton.jit
 def bf16_stochastic(x, bits):
     """The bf16 bits of ``x`` rounded stochastically: the float32 bits plus ``bits >> 16``, the
-    low 16 dropped; inf and NaN rounded to nearest (kept)."""
+    low 16 dropped; inf and NaN rounded to nearest (inf kept, NaN 0x7fc0)."""
     u = float_bits(x)
     r = (u + (bits >> 16)) >> 16
     return tl.where((u & 0x7F800000) == 0x7F800000, bf16_rne(x), r)
@@ -273,92 +293,146 @@ def bf16_value(h):
 
 
 @triton.jit
-def _div_const(a, c: tl.constexpr):
-    return ieee_div(a, tl.full(a.shape, c, tl.float32))
-
-
-@triton.jit
-def _const_div(c: tl.constexpr, a):
-    """``c / a`` where ``a > 0``, else 0 (math.h's q8_*_factor; no division by 0 is evaluated)."""
-    pos = a > 0.0
-    return tl.where(pos, ieee_div(tl.full(a.shape, c, tl.float32), tl.where(pos, a, 1.0)), 0.0)
-
-
-@triton.jit
-def q8_signed_scale(a):
-    return _div_const(a, 1.875)
-
-
-@triton.jit
-def q8_signed_factor(a):
-    return _const_div(1.875, a)
-
-
-@triton.jit
-def q8_root_scale(s_max):
-    return _div_const(s_max, 1.9375)
-
-
-@triton.jit
-def q8_root_factor(s_max):
-    return _const_div(1.9375, s_max)
-
-
-@triton.jit
-def q8_signed_code(x, q):
-    """E4M3 code (int32 in [-127, 127]) of ``x`` with the block's factor ``q``, to nearest even."""
-    b = float_bits(tl.abs(x) * q)
-    t = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20).to(tl.int32) - SIGNED_OFFSET
-    c = tl.where(t < 0, 0, tl.where(t > 127, 127, t))
-    return tl.where(x < 0.0, -c, c)
-
-
-@triton.jit
-def q8_signed_value(code, f):
-    """The value of an E4M3 code (int32) with the block's scale ``f``."""
-    c = tl.where(code < 0, -code, code)
-    y = tl.where(c == 0, 0.0, bits_float(((c + SIGNED_OFFSET) << 20).to(tl.uint32)))
-    return tl.where(code < 0, -y, y) * f
-
-
-@triton.jit
-def q8_root_code(s, q, bits):
-    """E4M4 code (int32 in [0, 255]) of ``s = sqrt(v)`` with the block's factor ``q``, rounded
-    stochastically with the random ``bits``."""
-    b = float_bits(s * q)
-    t = ((b + (bits >> 13)) >> 19).to(tl.int32) - ROOT_OFFSET
-    return tl.where(t < 0, 0, tl.where(t > 255, 255, t))
-
-
-@triton.jit
-def q8_root_value(c, f):
-    """The square root ``s`` that an E4M4 code (int32) stores with the block's scale ``f``."""
-    return bits_float(((c + ROOT_OFFSET) << 19).to(tl.uint32)) * f
+def lamb_coef8(eps, r1, r2):
+    """math.h's LambCoef ``(eps8, c8) = (eps / r2, r1 / r2)`` of 8-bit state (``eps`` the float32
+    eps, ``r1``, ``r2`` per row), one division each."""
+    return ieee_div(tl.broadcast_to(eps, r2.shape), r2), ieee_div(r1, r2)
 
 
 @triton.jit
 def block_top(x):
-    """Per 8-bit block of ``x`` (``[ROWS, NB, QBLOCK]``, lanes outside the tensor 0): the largest
-    ``|x|`` and whether every value is finite (``[ROWS, NB]``), as math.h's block_top."""
-    a = tl.abs(x)
-    bad = ((x != x) | (a == float("inf"))).to(tl.int32)
-    return tl.max(a, 2), tl.max(bad, 2) == 0
+    """Per 8-bit block of ``x`` (``[ROWS, NB, QBLOCK]``, lanes outside the block 0): the largest
+    ``|x|`` (from the largest bit pattern, as math.h's block_top) and whether every value is
+    finite (``[ROWS, NB]``)."""
+    top = tl.max(magnitude_bits(x), 2)
+    return bits_float(top), top < INF_BITS
 
 
 @triton.jit
-def q8_signed_block(top, ok):
-    """Scales ``f`` and factors ``q`` of the signed map for blocks whose largest ``|x|`` is
-    ``top`` and that are all finite where ``ok``: a block that is not finite gets the scale NaN
-    and the factor 0 (the caller writes its codes as 0)."""
-    f = tl.where(ok, q8_signed_scale(top), float("nan"))
-    q = tl.where(ok, q8_signed_factor(top), 0.0)
-    return f, q
+def q8_scaling(a, C: tl.constexpr):
+    """math.h's q8_scaling: the prescale ``P`` (2^64 below 2^-64, else 1) and the factor
+    ``q = C / (a·P)`` (0 where ``a`` is not > 0: no division by 0 is evaluated) of blocks whose
+    largest magnitude is ``a``."""
+    p = tl.where(a < TINY, PRESCALE, 1.0)
+    pos = a > 0.0
+    q = tl.where(pos, ieee_div(tl.full(a.shape, C, tl.float32), tl.where(pos, a * p, 1.0)), 0.0)
+    return p, q
 
 
 @triton.jit
-def q8_root_block(top, ok):
-    """The same for the square-root map, ``top`` the block's largest ``v`` (not ``s``)."""
-    s_top = ieee_sqrt(top)
-    f = tl.where(ok, q8_root_scale(s_top), float("nan"))
-    q = tl.where(ok, q8_root_factor(s_top), 0.0)
-    return f, q
+def q8_direction_step(a):
+    """The linear map's scale ``f = a / 127``."""
+    return ieee_div(a, tl.full(a.shape, 127.0, tl.float32))
+
+
+@triton.jit
+def q8_direction_code(y, q):
+    """The linear code (int32) of ``y = d·P`` with the block's factor ``q``: ``rint(y·q)``, half to
+    even, by adding and subtracting 1.5·2^23 (``|y·q|`` rounds to at most 127: no clamp)."""
+    return (((y * q) + ROUND_MAGIC) - ROUND_MAGIC).to(tl.int32)
+
+
+@triton.jit
+def q8_direction_value(code, f):
+    return code.to(tl.float32) * f
+
+
+@triton.jit
+def q8_saturate(v):
+    """``v >= 0`` saturated at the largest float32 (NaN kept): +inf becomes its neighbour below."""
+    b = float_bits(v)
+    return bits_float(b - (b == INF_BITS).to(tl.uint32))
+
+
+@triton.jit
+def root_words(s):
+    """The root map's words of each block of roots ``s`` (``[ROWS, NB, QBLOCK]``, lanes outside
+    the block 0; math.h's root_words and q8_root_shift): ``T`` (the largest bit pattern) and the
+    shift ``sh``, the smallest ``k`` with ``T - L <= 254·2^k`` (``L`` the smallest nonzero
+    pattern, ``T`` when there is none, raised to ``T - ROOT_RANGE`` when it lies lower), as
+    int32 ``[ROWS, NB]``, and whether the block is finite (its words are then (NAN_WORD, 0),
+    which the caller stores)."""
+    b = magnitude_bits(s)
+    top = tl.max(b, 2)
+    low = tl.min(tl.where(b == 0, 0x7FFFFFFF, b), 2)  # 0x7fffffff: none (a NaN pattern)
+    low = tl.where(low == 0x7FFFFFFF, top, low)
+    low = tl.where(top - low > ROOT_RANGE, top - ROOT_RANGE, low)
+    span = top - low
+    sh = tl.zeros_like(span)
+    for k in tl.static_range(ROOT_SHIFTS - 1):  # math.h's loop: the thresholds grow with k
+        sh += (span > (254 << k)).to(tl.int32)
+    return top, sh, top < INF_BITS
+
+
+@triton.jit
+def q8_root_stochastic(bits, sh):
+    """The rounding term of a step: the top ``sh`` bits of the random ``bits`` (uint32)."""
+    return (bits >> 1) >> (31 - sh.to(tl.uint32))
+
+
+@triton.jit
+def q8_root_code(s, top, sh, rnd):
+    """The root code (int32 in [0, 255]) of ``s >= 0`` in a block of words ``(top, sh)`` with the
+    rounding term ``rnd`` (uint32): 0 for ``s = 0``, else ``255 - min((T - bits(s) + rnd) >> sh,
+    254)``, in uint32 arithmetic as math.h."""
+    b = magnitude_bits(s).to(tl.uint32)
+    k = (top.to(tl.uint32) - b + rnd) >> sh.to(tl.uint32)
+    c = 255 - tl.where(k < 254, k, 254)
+    return tl.where(b != 0, c, 0).to(tl.int32)
+
+
+@triton.jit
+def q8_root_value(c, top, sh):
+    """The root ``s`` that code ``c`` (int32) stores in a block of words ``(top, sh)`` (int32):
+    0 for code 0, else the float of bits ``T - ((255 - c) << sh)``, 0 below 0 (NaN where ``T`` is
+    NAN_WORD and the code 255)."""
+    x = top - ((255 - c) << sh)
+    return tl.where(c != 0, bits_float(tl.where(x > 0, x, 0)), 0.0)
+
+
+@triton.jit
+def q8_dynamic_code(x, p, q):
+    """math.h's q8_dynamic_code: the dynamic-map code (int32 in [-127, 127]) of ``x`` (finite)
+    in a block with prescale ``p`` and factor ``q = 1/(a·p)``."""
+    y = (tl.abs(x) * p) * q
+    yb = float_bits(y)
+    e = (yb >> 23).to(tl.int32)
+    d = tl.where(e > 126, 0, 126 - e)
+    t = (d * 171) >> 9  # d / 3 for d < 384
+    t = tl.where(t > 6, 6, t)
+    level = 6 - t
+    count = tl.where(level == 6, 63, 1 << level)
+    z = bits_float(yb + ((3 * t + 3) << 23).to(tl.uint32))  # y·8^(t+1), in [1, 8)
+    # K[L] = float32(n / 7): 9 for n = 63, else float32(1/7)·2^L
+    k = tl.where(level == 6, 9.0, bits_float((ONE_SEVENTH_BITS + (level << 23)).to(tl.uint32)))
+    j = ((z - 1.0) * k).to(tl.int32)
+    j = tl.where(j < count - 1, j, count - 1)
+    mag = (1 << level) + j
+    mag = tl.where(e < 106, 0, mag)  # y < 2^-21 = 8^-7
+    mag = tl.where(y >= 1.0, 127, mag)
+    return tl.where(x < 0.0, -mag, mag)
+
+
+@triton.jit
+def q8_dynamic_unit(mag):
+    """``V[mag]`` of the dynamic map for magnitudes ``mag`` (int32 in [0, 127]; math.h's
+    q8_dynamic_unit, evaluated per element: float32, one rounding per operation; V[0] = 0,
+    V[127] = 1)."""
+    m = tl.where(mag > 1, mag, 1)
+    level = (float_bits(m.to(tl.float32)) >> 23).to(tl.int32) - 127  # floor(log2(mag)), exact
+    level = tl.where(level < 6, level, 6)
+    count = tl.where(level == 6, 63.0, (1 << level).to(tl.float32))
+    j = (m - (1 << level)).to(tl.float32)
+    frac = ieee_div(7.0 * (j + 0.5), count)
+    octave = bits_float(((127 - 3 * (7 - level)) << 23).to(tl.uint32))
+    unit = (1.0 + frac) * octave
+    return tl.where(mag <= 0, 0.0, tl.where(mag >= 127, 1.0, unit))
+
+
+@triton.jit
+def q8_dynamic_value(code, a):
+    """The value of a dynamic-map code (int32) in a block whose largest magnitude is ``a``."""
+    c = tl.where(code < 0, -code, code)
+    c = tl.where(c > 127, 127, c)
+    y = q8_dynamic_unit(c) * a
+    return tl.where(code < 0, -y, y)

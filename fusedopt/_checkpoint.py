@@ -1,0 +1,198 @@
+"""Loading optimizer state: checks, format conversion and the saved 8-bit form.
+
+``FusedLAMB.load_state_dict`` reads everything it needs from the state dict in its last
+pre-hook (:func:`prepare`, which raises before torch's loader changes anything) and installs the
+prepared state in its first post-hook (:func:`install`). A state dict's moments in another format
+than the group's ``state_precision`` gives them are converted there (docs/math.md,
+"Low-precision state"), and so is 8-bit state of the earlier format. A loader that puts a saved
+state straight into ``optimizer.state`` (ZeroRedundancyOptimizer's) leaves the saved form there,
+which the step takes in through :func:`adopt` with the same checks.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import lowp
+from ._bucket import compute_dtype
+from ._bucket import local as _local
+from .flat import _dense_layout, laid_out_as
+
+_SUFFIXES = (lowp.BLOCKS_SUFFIX, lowp.V1_SUFFIX)
+
+
+def laid_out_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` (loaded state of the plain param ``p``) in ``p``'s memory layout, once: a row of
+    other strides would step through copies at every step (functional._bucket)."""
+    if hasattr(p, "to_local") or t.shape != p.shape or not _dense_layout(p):
+        return t
+    return laid_out_as(t, p)
+
+
+def step_count(value: Any, where: str) -> float:
+    """A saved step count as a float: a number or a one-element tensor, finite, whole and not
+    negative (LAMB's bias correction reads it; a count of -1 or NaN would make the next update
+    non-finite)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        count = float(value.detach().reshape(()).double())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        count = float(value)
+    else:
+        raise TypeError(f"{where}: 'step' must be a number or a one-element tensor, got "
+                        + (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                           else type(value).__name__))
+    if not math.isfinite(count) or count < 0 or count != math.floor(count):
+        raise ValueError(f"{where}: 'step' is {count}; a step count is a whole number >= 0")
+    return count
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare` read: per saved param id, the state tensors to install."""
+
+    state: dict[Any, dict[str, torch.Tensor]] = field(default_factory=dict)
+    converted: set[tuple[str, str]] = field(default_factory=set)
+
+
+def _saved_moment(opt, saved: dict, key: str, p: torch.Tensor, where: str):
+    """(format, tensor or values) of the saved moment ``key`` of ``p``: ("8bit", packed),
+    ("v1", float32 values of the earlier 8-bit format), (format, tensor) of a full or bf16
+    moment; raises naming the key."""
+    value = saved[key]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: state {key!r} is {type(value).__name__}, not a tensor")
+    try:
+        eight = lowp.saved_moment(saved, key, p)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    if eight is not None:
+        return eight
+    if not (value.is_floating_point()):
+        raise TypeError(f"{where}: state {key!r} is {value.dtype}; a moment is a float tensor, or "
+                        "8-bit codes (uint8) with their block words")
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"{where}: state {key!r} has shape {tuple(value.shape)}, the param "
+                         f"{tuple(p.shape)}")
+    return lowp.format_of(value), value
+
+
+def _lamb_eps(opt, group: dict[str, Any], count: float, lp: torch.Tensor) -> torch.Tensor:
+    return lowp.lamb_eps(float(group["eps"]), float(group["betas"][1]),
+                         bool(group["bias_correction"]), count).to(lp.device)
+
+
+def prepare_param(opt, group: dict[str, Any], saved_group: dict[str, Any], p: torch.Tensor,
+                  saved: dict[str, Any], count: float | None, where: str,
+                  converted: set) -> dict[str, torch.Tensor]:
+    """The state tensors of ``p`` from its saved state ``saved`` (``count``: its step count, when
+    the state has one or the group gave one), checked and in the format ``group`` gives ``p``.
+    Hyper-parameters of the conversion come from ``saved_group`` (the group as loaded)."""
+    lp = _local(p)
+    cd = compute_dtype(lp.dtype)
+    out: dict[str, torch.Tensor] = {}
+    if count is not None:
+        out["step"] = torch.tensor(count, dtype=torch.float32, device=lp.device)
+    moments = {k: _saved_moment(opt, saved, k, p, where) for k in opt._state_keys
+               if saved.get(k) is not None}
+    if moments:
+        fmt = opt._state_format(group, p)
+        if all(f == fmt for f, _ in moments.values()) and len(moments) == len(opt._state_keys):
+            for key, (f, value) in moments.items():
+                if f == "8bit":
+                    out[key] = value
+                else:
+                    value = value.to(device=p.device, dtype=cd if f == "full" else value.dtype)
+                    out[key] = laid_out_like(value, p) if not hasattr(p, "to_local") else value
+        else:
+            out.update(_converted(opt, saved_group, p, moments, fmt, count, where, converted))
+    master = saved.get("master_param")
+    if isinstance(master, torch.Tensor):
+        if tuple(master.shape) != tuple(p.shape):
+            raise ValueError(f"{where}: state 'master_param' has shape {tuple(master.shape)}, the "
+                             f"param {tuple(p.shape)}")
+        out["master_param"] = laid_out_like(master.to(device=p.device, dtype=cd), p)
+    return out
+
+
+def _converted(opt, saved_group, p, moments, fmt, count, where, converted):
+    """The moments in format ``fmt``, converted from the ones saved (recorded in ``converted``)."""
+    lp = _local(p)
+    cd = compute_dtype(lp.dtype)
+    if len(moments) != len(opt._state_keys):
+        missing = [k for k in opt._state_keys if k not in moments]
+        raise ValueError(f"{where}: state has {sorted(moments)} but not {missing}; the moments "
+                         "are converted to another format together")
+    values, packed = {}, {}
+    for key, (f, value) in moments.items():
+        converted.add(("8bit (earlier format)" if f == "v1" else f, fmt))
+        if f == "v1":
+            values[key] = value * value if key == "exp_avg_sq" else value
+        elif f == "8bit":
+            packed[key] = value
+        else:
+            values[key] = _local(value).to(device=lp.device, dtype=torch.float32)
+    if packed:
+        try:
+            values.update(lowp.moments(packed, lp.shape))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    eps = None
+    if fmt == "8bit" and opt._kind == "lamb":
+        if count is None:
+            raise ValueError(f"{where}: LAMB's 8-bit state is converted with its step count, "
+                             "which the state has not")
+        eps = _lamb_eps(opt, saved_group, count, lp)
+    out = lowp.stored({k: v.reshape(lp.shape) for k, v in values.items()}, fmt, lp, eps=eps,
+                      full_dtype=cd)
+    if fmt == "8bit" or not hasattr(p, "to_local"):
+        return {k: v if fmt == "8bit" else laid_out_like(v, p) for k, v in out.items()}
+    return {k: lowp.placed(v, p) for k, v in out.items()}
+
+
+def adopt(opt, gi: int, group: dict[str, Any], p: torch.Tensor, st: dict[str, Any]) -> None:
+    """Takes in saved 8-bit state that a loader put straight into ``optimizer.state[p]`` (the
+    codes under the moment's key and the block words under the key + ``_blocks``, or the
+    earlier format): checked and packed (converted for the earlier format), in place of the
+    saved tensors."""
+    where = f"{type(opt).__name__}: param group {gi}, state of a param of shape {tuple(p.shape)}"
+    count = step_count(st["step"], where) if st.get("step") is not None else None
+    converted: set = set()
+    new = prepare_param(opt, group, group, p, st, count, where, converted)
+    for key in list(st):
+        if any(key == k + s for k in opt._state_keys for s in _SUFFIXES):
+            del st[key]
+    st.update({k: v for k, v in new.items() if k != "step"})
+    if converted:
+        _warn(opt, converted)
+
+
+def needs_adopting(opt, st: dict[str, Any]) -> bool:
+    """Whether the state dict of one param holds saved 8-bit state (:func:`adopt`)."""
+    return any(k + s in st for k in opt._state_keys for s in _SUFFIXES)
+
+
+def _warn(opt, converted: set) -> None:
+    warnings.warn(f"{type(opt).__name__}.load_state_dict converted optimizer state from one "
+                  "format to another (" + ", ".join(f"{a} to {b}" for a, b in sorted(converted))
+                  + "), to the groups' state_precision (docs/math.md, \"Low-precision state\")",
+                  stacklevel=4)
+
+
+def install(opt, prepared: Prepared, saved_ids: list, params: list) -> None:
+    """The prepared state of each loaded param in ``optimizer.state``, replacing what torch's
+    loader put there (its copies of the saved tensors, cast by its own rules)."""
+    for pid, (_, p) in zip(saved_ids, params):
+        new = prepared.state.get(pid)
+        if new is None:
+            continue
+        st = opt.state[p]
+        for key in list(st):
+            if any(key == k + s for k in opt._state_keys for s in _SUFFIXES):
+                del st[key]
+        st.update(new)
+    if prepared.converted:
+        _warn(opt, prepared.converted)
