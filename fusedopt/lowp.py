@@ -278,6 +278,7 @@ def _dynamic_values() -> torch.Tensor:
 
 
 _DYNAMIC = _dynamic_values()
+_DYNAMIC_MID = (_DYNAMIC[:-1] + _DYNAMIC[1:]) * 0.5  # between magnitude c and c + 1
 
 
 def encode_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +299,13 @@ def encode_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     count = torch.where(level == 6, 63, 1 << level)
     mag = (1 << level) + torch.minimum(j, count - 1)
     mag = torch.where(t >= 7, torch.zeros_like(mag), mag)
-    mag = torch.where(y >= 1.0, torch.full_like(mag, 127), mag)
+    mag = torch.where(xb.abs() == a[:, None], torch.full_like(mag, 127), mag)  # a itself
+    # to the nearest value: the part's mean is, within its decade; at a decade's edge the
+    # neighbour's may be nearer
+    mid = _DYNAMIC_MID.to(x.device)
+    down = (mag >= 1) & (y < mid[(mag - 1).clamp(min=0)])
+    up = (mag <= 126) & (y >= mid[mag.clamp(max=126)])
+    mag = mag - down.to(mag.dtype) + up.to(mag.dtype)
     c = torch.where(xb < 0, -mag, mag)
     c = torch.where(ok[:, None], c, torch.zeros_like(c))
     words = _words(_bits(torch.where(ok, a, _full(a, float("nan")))), torch.zeros_like(t[:, 0]))

@@ -137,7 +137,7 @@ def _quantize_dynamic(x: list[float]) -> list[float]:
     out = []
     for v in x:
         y = _f32(_f32(abs(_f32(v)) * p) * q)
-        if y >= 1.0:
+        if abs(_f32(v)) == a:
             mag = 127
         elif y == 0.0 or y < 8.0 ** -7:
             mag = 0
@@ -148,6 +148,11 @@ def _quantize_dynamic(x: list[float]) -> list[float]:
             z = y * 8.0 ** (t + 1)
             j = min(math.floor(_f32((z - 1.0) * _f32(n / 7.0))), n - 1)
             mag = (1 << level) + j
+        # to the nearest value (docs/math.md): a decade's part, or at its edge the neighbour
+        if mag >= 1 and y < _f32((_dynamic_value(mag - 1) + _dynamic_value(mag)) * 0.5):
+            mag -= 1
+        elif mag <= 126 and y >= _f32((_dynamic_value(mag) + _dynamic_value(mag + 1)) * 0.5):
+            mag += 1
         out.append(_f32(math.copysign(_dynamic_value(mag) * a, v) if mag else 0.0))
     return out
 

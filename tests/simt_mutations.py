@@ -1,11 +1,11 @@
 """The mutation check of the emulated CUDA tests (docs/cuda_emulation.md, "The mutation check").
 
 Each mutation plants one known bug in the CUDA sources by an exact text substitution: a barrier
-removed from the block reduction or from the broadcast, one pointer removed from an alignment
-test (also in the low-precision passes). The LAMB/LARS step tests of tests/test_cuda_emulated.py
-and tests/test_cuda_lowp.py must catch each of them by
-themselves: the sums-of-squares tests and the tests that only compare scheduling orders are not
-run here.
+removed from the block reduction, from the broadcast or from the reduction over an 8-bit block,
+one pointer removed from an alignment test (also in the low-precision passes), a slip in the
+8-bit maps or the random bits, LARS stepping by its rounded buffer. The LAMB/LARS step tests of
+tests/test_cuda_emulated.py and tests/test_cuda_lowp.py must catch each of them by themselves:
+the sums-of-squares tests and the tests that only compare scheduling orders are not run here.
 
 For every mutation, csrc/ is copied to a temporary directory and the substitution applied to the
 copy (the original text must occur exactly once, or the script stops: a mutation that changes
@@ -88,10 +88,48 @@ MUTATIONS = [
         "kHasParam ? all_aligned(w) : all_aligned(w);",
         "low-precision LAMB pass 2 without testing the low-precision params' alignment"),
     Mutation(
+        "lowp_lamb2_m", "cuda/lamb.cu",
+        "const bool vec8 = all_aligned8(m.codes);",
+        "const bool vec8 = true;",
+        "8-bit LAMB pass 2 without testing the direction codes' alignment"),
+    Mutation(
         "lowp_lars_g", "cuda/lars.cu",
         "kHasParam ? all_aligned(w, g, p) : all_aligned(w, g);",
         "kHasParam ? all_aligned(w, p) : all_aligned(w);",
         "low-precision LARS without testing the grads' alignment"),
+    Mutation(
+        "lowp_lars_codes", "cuda/lars.cu",
+        "const bool vec8 = all_aligned8(buf.codes);",
+        "const bool vec8 = true;",
+        "8-bit LARS without testing the buffer codes' alignment"),
+    # the 8-bit blocks' reduction and the maps (Note [8-bit maps] in csrc/fusedopt/math.h)
+    Mutation(
+        "q8_block_barrier", "cuda/lowp.cuh",
+        "    if (lane == 0) tops[buf][k][warp] = t;\n  }\n  __syncthreads();\n",
+        "    if (lane == 0) tops[buf][k][warp] = t;\n  }\n",
+        "block_max without the __syncthreads between lane 0's write of its warp's maximum and "
+        "the other lanes' reads"),
+    Mutation(
+        "q8_root_low", "cuda/lowp.cuh",
+        "x[1] = max_u32(x[1], b == 0u ? 0u : ~b);",
+        "x[1] = max_u32(x[1], ~b);",
+        "the root map's shift from the smallest root counting the roots 0"),
+    Mutation(
+        "q8_random_bits", "cuda/lamb.cu",
+        "const unsigned int bits = sr_bits(sc.base, sc.first + begin + off + k);",
+        "const unsigned int bits = sr_bits(sc.base, begin + off + k);",
+        "the root codes' random bits counted from the run's first element instead of the whole "
+        "tensor's (docs/math.md, \"Random bits\")"),
+    Mutation(
+        "q8_dynamic_units", "cuda/lowp.cuh",
+        "if (i < kDynamicUnits) dynamic_units()[i] = q8_dynamic_unit(i);",
+        "if (i < kDynamicUnits / 2) dynamic_units()[i] = q8_dynamic_unit(i);",
+        "the dynamic map's table without its upper half (the values of the top decade)"),
+    Mutation(
+        "lars_rounded_step", "cuda/lars.cu",
+        "wr[k] = lars_step<float>(wr[k], d, vk, sc.c);",
+        "wr[k] = lars_step<float>(wr[k], d, bf16_value(vr[k]), sc.c);",
+        "LARS with a bf16 buffer stepping by the rounded buffer instead of the float32 one"),
 ]
 
 # The LAMB/LARS step tests: each runs the passes of the optimizer and checks its results (against
@@ -112,7 +150,8 @@ STEP_TESTS = {
         "test_one_list_misaligned", "test_lamb_equals_cpp_bit_for_bit",
         "test_lars_equals_cpp_bit_for_bit", "test_lamb_options", "test_lars_options",
         "test_global_clipping_and_a_tensor_lr", "test_found_inf_changes_nothing", "test_bf16_params",
-        "test_fp16_masters", "test_a_block_that_is_not_finite", "test_many_tensors_split_the_launches",
+        "test_fp16_masters", "test_a_block_that_is_not_finite", "test_special_gradients",
+        "test_many_tensors_split_the_launches",
     ],
 }
 

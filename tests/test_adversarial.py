@@ -713,9 +713,10 @@ def _compare_backends(a: Run, b: Run) -> list[str]:
                     and x.dtype == y.dtype == torch.uint8 and x.numel() == y.numel()):
                 # packed 8-bit moments, compared as their values: the backends sum the clipping
                 # total and the trust ratios' norms in their own orders, so a moment one ulp
-                # apart may round to the next code (about 1/8 of its value)
+                # apart may round to the next code (1/127 of its block's largest for LAMB's
+                # direction, 1/8 of a decade's part for LARS's buffer)
                 shape = sa["params"][i].shape
-                x, y = (lowp.read(t, shape, root=k == "exp_avg_sq").double() for t in (x, y))
+                x, y = (lowp.read(t, shape, k).double() for t in (x, y))
                 e = _close(y, x, 2 ** -3)
                 if e:
                     errs.append(f"state[{i}][{k!r}] (8-bit): cpp vs eager: {e}")

@@ -141,10 +141,9 @@ def test_fsdp2_8bit_state(job, backend, kind, dtype):
     """8-bit state on FSDP2 shards whose rows are whole blocks (Note [sharded 8-bit state]):
     stored as 8 bits; a torch.distributed.checkpoint save loads into a new optimizer on the same
     mesh (bit for bit on), into one on a mesh of one rank and into one process without
-    DTensors (the gathered codes, scales and steps equal the saved ones), and that process's
-    state dict into shards again (equal; also in the packed form of older versions); a state
-    dict converts to full state and back, shard
-    by shard; training follows one process with 8-bit state. bf16 params: with master weights
+    DTensors (the gathered codes, block words and steps equal the saved ones), and that process's
+    state dict into shards again (equal); a state dict converts to full state and back, shard by
+    shard; training follows one process with 8-bit state. bf16 params: with master weights
     (DTensors)."""
     name = "fsdp2_8bit" if dtype == "float32" else "fsdp2_8bit_bf16"
     for res in results(job, f"{name}-{backend}-{kind}"):
@@ -156,7 +155,6 @@ def test_fsdp2_8bit_state(job, backend, kind, dtype):
         assert res["bitwise_dcp"], "a state loaded by torch.distributed.checkpoint should continue"
         assert res["resharded_state_differs"] == []
         assert res["one_process_state_differs"] == res["from_one_process_state_differs"] == []
-        assert res["from_packed_state_differs"] == []
         assert res["warnings_to_full"] == res["warnings_to_8bit"] == 1
         assert res["full_type"] == "DTensor" and res["full_equal"] and res["back_equal"], res
         # one process's codes, up to a code flipped where the norms' summation order moves a
@@ -259,6 +257,20 @@ def test_zero_low_precision_state_matches_one_process(job, backend, precision):
     for res in results(job, f"zero_low_precision-{backend}-{precision}"):
         assert res["err"] <= res["err_vs_full"] / 1000, res
         assert res["err_local_keys"] >= res["err_vs_full"] / 10, res
+
+
+@needs_gloo
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_zero_resumes_low_precision_state_from_its_consolidated_checkpoint(job, backend,
+                                                                            precision):
+    """torch's ZeroRedundancyOptimizer.load_state_dict puts each rank's saved state (8-bit: codes
+    and block words) straight into the local optimizer; the step takes it in: the resumed run
+    equals the one not stopped, bit for bit, with the state in its format."""
+    want = "torch.uint8" if precision == "8bit" else "torch.bfloat16"
+    for rank, res in enumerate(results(job, f"zero_resume-{backend}-{precision}")):
+        assert res["same"], f"rank {rank}"
+        assert want in res["formats"], res["formats"]
 
 
 # ------------------------------------------------------------------------------------ FSDP1

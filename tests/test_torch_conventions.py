@@ -188,7 +188,7 @@ def test_state_dict_hooks_see_what_they_see_of_torch_optimizers(precision):
         saved = opt.state_dict()
         assert seen["saved"] == saved["state"][0].keys()
         if name == "lamb" and precision == "8bit":
-            assert "exp_avg_sq_scales" in seen["saved"]
+            assert "exp_avg_sq_blocks" in seen["saved"]
         # the same params in another order, the state dict mapped to it by a pre-hook
         order = [2, 0, 1]
         qs = [torch.nn.Parameter(ps[i].detach().clone()) for i in order]
@@ -211,7 +211,7 @@ def test_state_dict_hooks_see_what_they_see_of_torch_optimizers(precision):
             assert seen["loaded"]["step"] == (torch.float32, 0)
             assert seen["loaded"]["exp_avg"][0] == (torch.uint8 if precision == "8bit"
                                                     else torch.float32)
-            assert "exp_avg_scales" not in seen["loaded"]
+            assert "exp_avg_blocks" not in seen["loaded"]
             assert new.state[qs[0]]["master_param"].dtype == torch.float32
             assert torch.equal(new.state[qs[0]]["master_param"], opt.state[ps[2]]["master_param"])
             again = copy.deepcopy(new).state_dict()

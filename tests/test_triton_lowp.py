@@ -30,10 +30,16 @@ if backends.get_backend("cpp") is None:
     pytest.skip(f"the cpp backend is not available: {backends.load_error('cpp')}",
                 allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fusedopt.kernels import math as km  # noqa: E402
 from fusedopt.kernels import tables  # noqa: E402
 
-# The interpreter evaluates masked-off lanes too (0/0 of lanes past a tensor's end).
-pytestmark = [pytest.mark.filterwarnings("ignore:(invalid value|divide by zero):RuntimeWarning"),
+# The interpreter evaluates masked-off lanes too (0/0 of lanes past a tensor's end), and the
+# corners of the maps square gradients whose squares overflow (v saturates).
+pytestmark = [pytest.mark.filterwarnings(
+                  "ignore:(invalid value|divide by zero|overflow):RuntimeWarning"),
               pytest.mark.gpu]  # scripts/gpu_verify.py runs it on a GPU against the cpp bytes
 
 # Not multiples of 256 (blocks with a short last one), below a tile (512 under the interpreter),
@@ -133,14 +139,25 @@ def _bytes(x):
     return x.contiguous().view(-1).view(torch.uint8)
 
 
-def _compare(kind, fmts, opts, **kw):
-    """The cpp and Triton runs, every tensor compared byte for byte."""
+def _same_nan_positions(a, b):
+    """Equal values, NaN compared as NaN (a NaN's payload in a weight is not part of the
+    contract: docs/math.md fixes the NaN of the state only)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(torch.nan_to_num(a, 0.0),
+                                                             torch.nan_to_num(b, 0.0))
+
+
+def _compare(kind, fmts, opts, *, nan_weights=False, **kw):
+    """The cpp and Triton runs, every tensor compared byte for byte; ``nan_weights``: the
+    params, step counts and masters with NaN compared as NaN (the states still byte for byte)."""
     record = _Record()
     ref = _run(kind, "cpp", "cpu", fmts, opts, reducer=record, **kw)
     got = _run(kind, "triton", DEVICE, fmts, opts, reducer=_Replay(record, kw.get("skip", ())),
                **kw)
     assert len(ref) == len(got)
-    bad = [i for i, (a, b) in enumerate(zip(ref, got)) if not torch.equal(_bytes(a), _bytes(b))]
+    n_state = len(fmts) * (2 if kind == "lamb" else 1)
+    bad = [i for i, (a, b) in enumerate(zip(ref, got))
+           if not (torch.equal(_bytes(a), _bytes(b))
+                   or (nan_weights and i < len(ref) - n_state and _same_nan_positions(a, b)))]
     assert not bad, f"tensors {bad} of {len(ref)} differ (params, steps, masters, states)"
     return ref, got
 
@@ -208,25 +225,191 @@ def test_lars_options_match_cpp(opts):
     _compare("lars", FORMATS["mixed"], opts)
 
 
-def test_ties_round_to_nearest_even():
+def test_ties_and_the_dynamic_map_s_edges():
     """LARS's first step in the torch-SGD form without adaptation or decay stores the gradient
-    itself as the buffer: gradients halfway between two bf16 values or two 8-bit codes round to
-    the even one, in both backends."""
-    ties = torch.tensor([1.875, 1.0625, 1.1875, -1.0625, 1 + 2**-8, 1 + 3 * 2**-8])
+    itself as the buffer: in both backends, gradients halfway between two bf16 values round to
+    the even one, and the 8-bit buffer's codes at the edges of the dynamic map's decades
+    (docs/math.md, "8-bit": ``y = 1``, the lowest value kept, ``2^-21``, and the value just
+    below it, the bottom of the top decade ``8^-1`` and the value just below, which ends the
+    decade below with its last code, the value just below 1) are the map's."""
+    u = 2.0 ** -24  # float32(1 - u) is the float below 1
+    edges = torch.tensor([1.0, -1.0, 2.0 ** -21, 2.0 ** -21 * (1 - u), 0.125, 0.125 * (1 - u),
+                          1 - u, 1.5 * 2.0 ** -21])
+    ties = torch.tensor([0.5 + 2.0 ** -9, 0.5 + 3 * 2.0 ** -9])  # bf16 steps of 2^-8 here
 
     def hook(t, grads):
-        for g in grads:
-            g.view(-1)[:len(ties)] = ties.to(g.device, g.dtype) if g.numel() >= len(ties) else 0
+        grads[0].view(-1)[:len(edges)] = edges.to(grads[0].device, grads[0].dtype)
+        grads[1].view(-1)[:len(ties)] = ties.to(grads[1].device, grads[1].dtype)
 
     opts = dict(adapt=False, lr_in_momentum=False, weight_decay=0.0)
     fmts = ["8bit", "bf16"] * (len(SHAPES) // 2)
     ref, _ = _compare("lars", fmts, opts, steps=1, grads_hook=hook)
     eight, half = ref[-len(SHAPES)], ref[-len(SHAPES) + 1]
-    scales, codes = lowp.split(eight, 300)
-    assert scales[0] == 1.0
-    assert lowp.decode_signed(codes[:4].view(torch.int8), scales[:1]).tolist() == [
-        1.875, 1.0, 1.25, -1.0]
-    assert half.view(-1)[4:6].float().tolist() == [1.0, 1 + 4 * 2**-8]
+    words, codes = lowp.split(eight, 300)
+    assert words[0].tolist() == [torch.tensor(1.0).view(torch.int32).item(), 0]  # (bits(a), 0)
+    assert codes[:len(edges)].view(torch.int8).tolist() == [127, -127, 1, 0, 64, 63, 126, 1]
+    assert half.view(-1)[:2].float().tolist() == [0.5, 0.5 + 2.0 ** -7]
+
+
+# ----------------------------------------------------------------------- the helpers
+@triton.jit
+def _helper(x_ptr, bits_ptr, out_ptr, N: tl.constexpr, WHAT: tl.constexpr):
+    """One of the helpers of fusedopt/kernels/math.py applied to a vector: the rounding of the
+    linear map (``rint`` by the magic number), ``V[mag]`` of the dynamic map, the bf16
+    roundings."""
+    i = tl.arange(0, N)
+    if WHAT == 0:
+        out = km.q8_direction_code(tl.load(x_ptr + i), tl.full([N], 1.0, tl.float32))
+    elif WHAT == 1:
+        out = km.q8_dynamic_unit(i).to(tl.int32, bitcast=True)
+    elif WHAT == 2:
+        out = km.bf16_rne(tl.load(x_ptr + i)).to(tl.int32)
+    else:
+        out = km.bf16_stochastic(tl.load(x_ptr + i),
+                                 tl.load(bits_ptr + i).to(tl.uint32, bitcast=True)).to(tl.int32)
+    tl.store(out_ptr + i, out)
+
+
+def _apply(what, x=None, bits=None, n=None):
+    """:func:`_helper` (``what``: the helper) over ``x`` (float32) and ``bits`` (int32)."""
+    n = n or len(x)
+    x = torch.zeros(n) if x is None else x
+    bits = torch.zeros(n, dtype=torch.int32) if bits is None else bits
+    out = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _helper[(1,)](x.to(DEVICE), bits.to(DEVICE), out, n, what,
+                  enable_fp_fusion=False)  # as the launcher (Note [no FMA] in kernels/tables.py)
+    return out.cpu()
+
+
+def _float_of_bits(bits):
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits],
+                        dtype=torch.int32).view(torch.float32)
+
+
+def test_the_linear_map_rounds_half_to_even():
+    """``rint`` of the linear map (docs/math.md, "8-bit": round half to even), as torch.round."""
+    y = torch.tensor([0.5, 1.5, 2.5, -2.5, -0.5, 126.5, -126.5, 3.5, 0.49999997, 2.5000002,
+                      127.0, -127.0, 0.0, -0.0, 1e-30, -1.4e-45])
+    codes = _apply(0, y)
+    assert codes.tolist() == torch.round(y).to(torch.int32).tolist()
+    assert codes[:8].tolist() == [0, 2, 2, -2, 0, 126, -126, 4]
+
+
+def test_the_dynamic_map_s_values_are_the_eager_table():
+    """``V[mag]`` evaluated per element in the kernels equals the eager backend's table bit for
+    bit (float32, one rounding per operation), V[0] = 0 and V[127] = 1 included."""
+    got = _apply(1, n=128)
+    assert torch.equal(got, lowp._DYNAMIC.view(torch.int32))
+    assert got[0] == 0 and got[127] == torch.tensor(1.0).view(torch.int32)
+
+
+def test_bf16_stores_every_nan_as_0x7fc0():
+    """docs/math.md, "bf16": a NaN of any sign and payload (quiet or signalling) is stored as
+    0x7fc0, to nearest and stochastically; infinities are kept, and the largest float32 rounds to
+    inf as in the cpp backend."""
+    nans = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FA00000,
+            0xFFA00001]
+    others = [0x7F800000, 0xFF800000, 0x3F808000, 0x3F818000, 0x00000000, 0x80000000, 0x7F7FFFFF,
+              0x00000001]
+    x = _float_of_bits(nans + others)
+    ones = torch.full((len(x),), -1, dtype=torch.int32)  # every random bit set
+    rne, sto = _apply(2, x), _apply(3, x, ones)
+    assert rne[:8].tolist() == sto[:8].tolist() == [0x7FC0] * 8
+    assert rne[8:].tolist() == [0x7F80, 0xFF80, 0x3F80, 0x3F82, 0, 0x8000, 0x7F80, 0]
+    assert sto[8:].tolist() == [0x7F80, 0xFF80, 0x3F81, 0x3F82, 0, 0x8000, 0x7F80, 1]
+
+
+# ------------------------------------------------------------------ the maps' corners
+# sqrt of the largest float32, correctly rounded (in float64, then rounded: lowp.sqrt_rn)
+_S_MAX = torch.tensor(3.4028234663852886e38, dtype=torch.float64).sqrt().float()
+
+
+def _corners(kind):
+    """A grads hook with every corner of the maps (docs/math.md, "8-bit"), in tensors of their
+    own so that one tensor's NaN (which the NaN rule spreads over its whole update) hides none of
+    the others: gradients so small that ``d`` lies below 2^-64 (a prescaled block); a block of
+    zeros; a block whose roots span more than 24 octaves; subnormal gradients; gradients whose
+    ``v`` overflows (saturated; LARS: an inf ‖g‖, ratio 0); a NaN of negative sign and another
+    payload in the second step and an inf in the third (a block that is not finite, in 8-bit
+    and in bf16 state)."""
+    def hook(t, grads):
+        g = [x.view(-1) for x in grads]  # the grads of _run are contiguous (and float32)
+        g[0][:256].mul_(1e-43)  # a block whose 127 / a overflows without the prescale
+        g[0][256:].mul_(1e-29)
+        g[2][:256] = 0.0
+        g[2][256:512].mul_(1e-12)
+        g[2][300] = 1.0
+        g[2][512:768].mul_(1e-39)
+        g[6][7] = 1e30
+        g[6][300] = -3e38
+        if t == 1:
+            g[4][300] = float("nan") if kind == "lars" else -float("nan")
+            g[5][1000:1001].view(torch.int32).fill_(0xFFA00001 - (1 << 32))  # -NaN, a payload
+        if t == 2:
+            g[4][3000] = float("inf")
+            g[7][5] = float("inf")
+    return hook
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_corners_of_the_maps_match_cpp(kind, fmt):
+    """Every byte of the state after three steps of _corners: LAMB's moments do not depend on the
+    sums, LARS's buffer takes the cpp run's sums (module docstring); the weights with NaN
+    compared as NaN."""
+    ref, got = _compare(kind, FORMATS[fmt], {}, steps=3, grads_hook=_corners(kind),
+                        nan_weights=True)
+    n = len(SHAPES)
+    states = ref[-n:] if kind == "lars" else ref[-2 * n:]
+    assert any(x.isnan().any() for x in ref[:n]) and not ref[1].isnan().any()
+    halves = [_bytes(x).view(torch.int16) for x in states if x.dtype == torch.bfloat16]
+    nans = [int(b) for h in halves for b in h[h.view(torch.bfloat16).isnan()]]
+    assert (fmt == "8bit") == (not nans)  # bf16 state holds the NaN 0x7fc0 (docs/math.md, "bf16")
+    assert set(nans) <= {0x7FC0}
+    if fmt == "8bit" and kind == "lamb":
+        size = math.prod(SHAPES[2])
+        words, codes = lowp.split(states[n + 2], size)  # exp_avg_sq: the roots
+        assert words[:1].tolist() == [[0, 0]] and not codes[:256].any()  # a block of zeros
+        assert words[1, 1] == 20  # the shift of a block over more than 24 octaves
+        words, codes = lowp.split(states[n + 6], math.prod(SHAPES[6]))
+        assert words[0, 0] == _S_MAX.view(torch.int32) and codes[7] == 255  # v saturated
+        words, codes = lowp.split(states[0], math.prod(SHAPES[0]))  # exp_avg: the directions
+        assert (words[:, 0].view(torch.float32) < 2.0 ** -64 / 127).all()  # prescaled blocks
+        a = words[0, 0].view(torch.float32) * 127
+        assert a < 127 / 3.4028234663852886e38  # where 127 / a overflows
+        assert codes[:256].view(torch.int8).abs().max() == 127
+        words, codes = lowp.split(states[n + 4], math.prod(SHAPES[4]))  # its NaN block
+        assert words[1].tolist() == [0x7FC00000, 0] and (codes[256:512] == 255).all()
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "bf16"])
+def test_pass2_reads_the_directions_alone(fmt):
+    """8-bit LAMB's pass 2 takes ``u = c8·d + λ·w`` from ``exp_avg`` alone (docs/math.md,
+    "Minimum memory traffic"): ``exp_avg_sq``'s bytes overwritten between the passes (where the
+    sums are reduced) change no weight; with bf16 state, whose pass 2 reads ``v``, they do."""
+    fmts = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(5)
+
+    class Scribble:
+        def __init__(self, replay):
+            self.replay = replay
+            self.reduce_grad_sq = replay.reduce_grad_sq
+
+        def reduce_trust_sums(self, sums, buckets):
+            self.replay.reduce_trust_sums(sums, buckets)
+            for b in buckets:
+                for v in b.exp_avg_sqs:
+                    raw = v.view(-1).view(torch.uint8)
+                    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+    record = _Record()
+    clean = _run("lamb", "cpp", "cpu", fmts, {}, reducer=record, steps=1)
+    scribbled = _run("lamb", "triton", DEVICE, fmts, {}, reducer=Scribble(_Replay(record)),
+                     steps=1)
+    n = len(SHAPES)
+    same = [torch.equal(_bytes(a), _bytes(b)) for a, b in zip(clean, scribbled)]
+    assert same[:n] == [fmt == "8bit"] * n  # the params
+    assert all(same[n:-n]) and not any(same[-n:])  # step counts and exp_avg; exp_avg_sq
 
 
 # --------------------------------------------------------------------------- fp32 masters
@@ -241,39 +424,29 @@ def test_masters_match_cpp(kind, dtype):
 # ------------------------------------------------------------------------------ NaN rule
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_a_block_that_is_not_finite(kind):
-    """An inf gradient: its 8-bit block stores the scale NaN and codes 0, the other blocks of the
-    tensor are stored as usual, and both backends give the same NaN positions (NaN bits are
-    compared as NaN: their payloads are not part of the contract)."""
+    """An inf gradient: its 8-bit block stores the words and codes of a block that is not finite
+    (LAMB's direction, LARS's buffer: ``w0 = bits(NaN)``, codes 0; LAMB's root: ``v`` saturated
+    at the largest float32, a finite block), the other blocks of the tensor are stored as usual,
+    and both backends store the same bytes and give the same NaN positions in the weights (a
+    weight's NaN bits are compared as NaN: their payloads are not part of the contract)."""
     def hook(t, grads):
         if t == 1:
             grads[2][600] = float("inf")  # block 2 of the 2500-element tensor
 
     fmts = FORMATS["mixed"][:3] + ["8bit"] * (len(SHAPES) - 3)
     fmts[2] = "8bit"
-    kw = dict(steps=2, grads_hook=hook)
-    record = _Record()
-    ref = _run(kind, "cpp", "cpu", fmts, {}, reducer=record, **kw)
-    got = _run(kind, "triton", DEVICE, fmts, {}, reducer=_Replay(record), **kw)
+    ref, got = _compare(kind, fmts, {}, steps=2, grads_hook=hook, nan_weights=True)
     n = len(SHAPES)
-    for a, b in zip(ref, got):
-        if a.dtype == torch.uint8:
-            continue
-        assert torch.equal(a.isnan(), b.isnan())
-        assert torch.equal(torch.nan_to_num(a, 0.0), torch.nan_to_num(b, 0.0))
-    state = ref[-n if kind == "lars" else -2 * n:]
     got_state = got[-n if kind == "lars" else -2 * n:]
-    for i, (a, b) in enumerate(zip(state, got_state)):
-        if a.dtype != torch.uint8:
-            continue
-        size = math.prod(SHAPES[i % n])
-        sa, ca = lowp.split(a, size)
-        sb, cb = lowp.split(b, size)
-        assert torch.equal(ca, cb)
-        assert torch.equal(sa.isnan(), sb.isnan())
-        assert torch.equal(torch.nan_to_num(sa, 0.0), torch.nan_to_num(sb, 0.0))
-    scales, codes = lowp.split(got_state[2], 2500)
-    assert scales[2].isnan() and not scales[[0, 1, 3, 4, 5, 6, 7, 8, 9]].isnan().any()
+    words, codes = lowp.split(got_state[2], 2500)
+    nan_word = 0x7FC00000
+    assert words[2, 0] == nan_word and (kind == "lamb" or words[2, 1] == 0)
+    assert nan_word not in words[[0, 1, 3, 4, 5, 6, 7, 8, 9], 0].tolist()
     assert not codes[512:768].any()
+    if kind == "lamb":
+        words, codes = lowp.split(got_state[n + 2], 2500)  # the roots: saturated, finite
+        assert words[2, 0] == _S_MAX.view(torch.int32) and codes[600] == 255
+        assert nan_word not in words[:, 0].tolist()
 
 
 # ---------------------------------------------------------------------------- optimizer

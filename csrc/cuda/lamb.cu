@@ -16,7 +16,9 @@
 // functors with kLowp, which read each tensor's format from the state row (Note [state rows] in
 // lowp.cuh) and run, per chunk, the full-state code or that of its format, with the rounded
 // float32 operations of math.h (Note [rounded operations]): bf16 moments (m to nearest even, v
-// stochastically with sr_bits of the element), or 8-bit blocks (Note [8-bit blocks on CUDA]).
+// stochastically with sr_bits of the element), or 8-bit blocks (Note [8-bit blocks on CUDA]):
+// exp_avg holds the direction d = m / (s + eps8) in the linear map and exp_avg_sq the root s in
+// the root map (Note [8-bit maps] in fusedopt/math.h), so that u = c8*d + lambda*w.
 // Pass 1 computes u from the values it stored and pass 2 from the same stored values, as
 // csrc/cpu/ops.cpp does (lamb_pass1_chunk_bf16 / _q8, lamb_pass2_chunk_bf16 / _q8), element for
 // element the same operations.
@@ -147,9 +149,11 @@ struct LambPass1Of {
     });
   }
 
-  // 8-bit moments, a block per warp (Note [8-bit blocks on CUDA]): the stored values read and
-  // updated, the block's largest |m| and v found (block_tops), its scales and codes written (v's
-  // stochastically), u from the values just stored.
+  // 8-bit moments, a block per warp (Note [8-bit blocks on CUDA]), as lamb_pass1_chunk_q8 of
+  // csrc/cpu/ops.cpp (Note [8-bit maps]): m = d*(s + eps) and v = s*s read from the stored codes
+  // and updated; the block's root words (block_max) and the codes of s = sqrt(v) (stochastic);
+  // the direction d = m / (s + eps8) from the roots as stored, its block's largest |d|
+  // (block_max), words and codes (to nearest); u = c8*d + lambda*w from the directions as stored.
   __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
                                            int count, const Scalars& sc, float (&acc)[2]) const {
     constexpr int L = kLaneElems;
@@ -162,49 +166,69 @@ struct LambPass1Of {
     const bool lane0 = (threadIdx.x & 31) == 0;
     for_each_q8_slice(count, [&](int round, int q, int off, int n) {
       const bool whole = n == L;
-      float wr[L], gr[L], mr[L], vr[L];
+      float wr[L], mr[L], sr[L];
       signed char mc[L];
       unsigned char vc[L];
-      load_group(wr, w, off, n, vec && whole);
-      load_group(gr, g, off, n, vec && whole);
-      load_codes(mc, m.codes, off, n, vec8 && whole);
-      load_codes(vc, v.codes, off, n, vec8 && whole);
-      const float fm0 = n > 0 ? m.scales[q] : 0.0f;
-      const float fv0 = n > 0 ? v.scales[q] : 0.0f;
-      float top[2] = {0.0f, 0.0f};
-      bool finite[2] = {true, true};
+      unsigned int roots[2] = {0u, 0u};  // lane_root_words
+      {
+        float gr[L];
+        load_group(wr, w, off, n, vec && whole);
+        load_group(gr, g, off, n, vec && whole);
+        load_codes(mc, m.codes, off, n, vec8 && whole);
+        load_codes(vc, v.codes, off, n, vec8 && whole);
+        // the block's words as stored (a warp without a block reads none)
+        const float f0 = n > 0 ? bits_float(m.words[2 * q]) : 0.0f;
+        const float eps0 = n > 0 ? bits_float(m.words[2 * q + 1]) : 0.0f;
+        const unsigned int top0 = n > 0 ? v.words[2 * q] : 0u;
+        const int sh0 = n > 0 ? static_cast<int>(v.words[2 * q + 1]) : 0;
 #pragma unroll
-      for (int k = 0; k < L; ++k) {
-        float mk = q8_signed_value(mc[k], fm0);
-        const float sk = q8_root_value(vc[k], fv0);
-        float vk = mul_rn(sk, sk);
-        lamb_moments<float>(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
-        mr[k] = mk;
-        vr[k] = vk;
-        if (k < n) {
-          lane_top(mk, top[0], finite[0]);
-          lane_top(vk, top[1], finite[1]);
+        for (int k = 0; k < L; ++k) {
+          const float s0 = q8_root_value(vc[k], top0, sh0);
+          float mk = mul_rn(q8_direction_value(mc[k], f0), add_rn(s0, eps0));
+          float vk = mul_rn(s0, s0);
+          lamb_moments<float>(mul_rn(gr[k], sc.gm), mk, vk, sc.c);
+          mr[k] = mk;
+          sr[k] = sqrt_rn(q8_saturate(vk));
+          if (k < n) lane_root_words(sr[k], roots);
         }
       }
-      // every lane has read the block's old scales: lane 0 may write the new ones below
-      block_tops<2>(top, finite, round);
-      const float v_root_top = sqrt_rn(top[1]);
-      const float fm = block_scale(q8_signed_scale(top[0]), finite[0]);
-      const float fv = block_scale(q8_root_scale(v_root_top), finite[1]);
-      const float qm = q8_signed_factor(top[0]);
-      const float qv = q8_root_factor(v_root_top);
+      // every lane has read the block's old words: lane 0 may write the new ones below
+      block_max<kRootWordsSite>(roots, round);
+      const bool roots_finite = roots[0] < kInfBits;
+      const unsigned int top = roots_finite ? roots[0] : kNanWord;
+      const int sh = roots_finite ? q8_root_shift(top, roots[1] != 0u ? ~roots[1] : top) : 0;
+      unsigned int d_top[1] = {0u};
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        if (roots_finite) {
+          const unsigned int bits = sr_bits(sc.base, sc.first + begin + off + k);
+          const int cv = q8_root_code(sr[k], top, sh, q8_root_stochastic(bits, sh));
+          vc[k] = static_cast<unsigned char>(cv);
+          mr[k] = div_rn(mr[k], add_rn(q8_root_value(cv, top, sh), sc.c.eps8));  // d
+        } else {  // codes 255, read as the NaN of the block's words
+          vc[k] = 255;
+          mr[k] = bits_float(kNanWord);
+        }
+        if (k < n) d_top[0] = max_u32(d_top[0], magnitude_bits(mr[k]));
+      }
+      block_max<kDirectionTopSite>(d_top, round);
+      const bool d_finite = d_top[0] < kInfBits;
+      const float a = bits_float(d_top[0]);
+      const float f = d_finite ? q8_direction_step(a) : bits_float(kNanWord);
+      const Scaling ds = q8_scaling(a, 127.0f);  // a tiny block is prescaled (P = 2^64)
       if (lane0 && n > 0) {
-        m.scales[q] = fm;
-        v.scales[q] = fv;
+        v.words[2 * q] = top;
+        v.words[2 * q + 1] = static_cast<unsigned int>(sh);
+        m.words[2 * q] = float_bits(f);
+        m.words[2 * q + 1] = float_bits(sc.c.eps8);
       }
 #pragma unroll
       for (int k = 0; k < L; ++k) {
-        // a block that is not finite stores codes 0 (and reads as NaN through its scale)
-        mc[k] = finite[0] ? q8_signed_code(mr[k], qm) : static_cast<signed char>(0);
-        const unsigned int bits = sr_bits(sc.base, sc.first + begin + off + k);
-        vc[k] = finite[1] ? q8_root_code(sqrt_rn(vr[k]), qv, bits) : static_cast<unsigned char>(0);
-        const float u = lamb_direction_s<float>(wr[k], q8_signed_value(mc[k], fm),
-                                            q8_root_value(vc[k], fv), sc.c);
+        // a block that is not finite stores codes 0 (read as 0 * NaN)
+        const int cm = d_finite ? q8_direction_code(mul_rn(mr[k], ds.p), ds.q) : 0;
+        mc[k] = static_cast<signed char>(cm);
+        const float u = add_rn(mul_rn(sc.c.c8, q8_direction_value(cm, f)),
+                               mul_rn(sc.c.lambda_in_u, wr[k]));
         if (k < n) {
           acc[0] += wr[k] * wr[k];
           acc[1] += u * u;
@@ -319,28 +343,26 @@ struct LambPass2 {
   }
 
   // 8-bit moments, 8 elements of a block per lane (Note [8-bit blocks on CUDA]; nothing is
-  // reduced here, so no lane waits for another).
+  // reduced here, so no lane waits for another): u = c8*d + lambda*w from the stored directions
+  // alone (lamb_pass2_chunk_q8 of csrc/cpu/ops.cpp), so exp_avg_sq is not read.
   __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
                                            int count, const Scalars& sc, W* w, P* p) const {
     constexpr int L = kLaneElems;
     const Packed<signed char> m = chunk_packed<signed char>(t, kM, slot, begin);
-    const Packed<unsigned char> v = chunk_packed<unsigned char>(t, kV, slot, begin);
     const bool vec = kHasParam ? all_aligned(w, p) : all_aligned(w);
-    const bool vec8 = all_aligned8(m.codes, v.codes);
+    const bool vec8 = all_aligned8(m.codes);
     for_each_q8_slice(count, [&](int, int q, int off, int n) {
       if (n == 0) return;
       const bool whole = n == L;
       float wr[L];
       signed char mc[L];
-      unsigned char vc[L];
       load_group(wr, w, off, n, vec && whole);
       load_codes(mc, m.codes, off, n, vec8 && whole);
-      load_codes(vc, v.codes, off, n, vec8 && whole);
-      const float fm = m.scales[q], fv = v.scales[q];
+      const float f = bits_float(m.words[2 * q]);
 #pragma unroll
       for (int k = 0; k < L; ++k) {
-        const float u = lamb_direction_s<float>(wr[k], q8_signed_value(mc[k], fm),
-                                            q8_root_value(vc[k], fv), sc.c);
+        const float u = add_rn(mul_rn(sc.c.c8, q8_direction_value(mc[k], f)),
+                               mul_rn(sc.c.lambda_in_u, wr[k]));
         wr[k] = lamb_apply<float>(wr[k], u, sc.lr_phi, sc.decay);
       }
       store_group(w, wr, off, n, vec && whole);

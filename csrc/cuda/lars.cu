@@ -13,9 +13,11 @@
 // Low-precision state (docs/math.md "Low-precision state"): pass 1 reads no state; pass 2 of a
 // bucket that holds some runs LarsPass2 with kLowp, which reads each tensor's format from the state
 // row (Note [state rows] in lowp.cuh): a bf16 buffer rounded to nearest even, or an 8-bit one in
-// blocks (Note [8-bit blocks on CUDA]), with the rounded float32 operations of math.h (Note
-// [rounded operations]), element for element the operations of csrc/cpu/ops.cpp
-// (lars_pass2_chunk_bf16 / _q8).
+// blocks of the dynamic map (Note [8-bit blocks on CUDA]; Note [8-bit maps] in math.h), with the
+// rounded float32 operations of math.h (Note [rounded operations]), element for element the
+// operations of csrc/cpu/ops.cpp (lars_pass2_chunk_bf16 / _q8). The step moves by the buffer
+// just computed in float32, and the state stores that buffer rounded: the trust ratio does not
+// depend on the buffer, so nothing reads the rounded one before the next step.
 #include "lowp.cuh"
 
 namespace fusedopt {
@@ -103,6 +105,11 @@ struct LarsPass2 {
   __device__ void operator()(const TensorTable<kRows>& t, int slot, int64_t begin, int count,
                              int64_t) const {
     if (step_skipped(found_inf)) return;  // the same for every thread of the block
+    if constexpr (kLowp) {
+      // the dynamic map's table, published by block_broadcast's barrier (every thread reads the
+      // format from the table of the launch, so the branch is the same for the whole block)
+      if (slot_format(t, kState, slot) == k8bitState) fill_dynamic_units();
+    }
     const Scalars sc = block_broadcast<Scalars>([&] {
       LarsHyper hl = h;
       if (lr != nullptr) hl.lr = *lr;
@@ -137,7 +144,8 @@ struct LarsPass2 {
     });
   }
 
-  // A bf16 buffer (16-bit words): the new buffer rounded to nearest even, the step from it.
+  // A bf16 buffer (16-bit words): the step from the new buffer in float32, which is stored
+  // rounded to nearest even.
   __device__ __forceinline__ void bf16_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
                                              int count, const Scalars& sc, W* w, const G* g,
                                              P* p) const {
@@ -154,8 +162,9 @@ struct LarsPass2 {
 #pragma unroll
       for (int k = 0; k < M; ++k) {
         const float d = lars_direction<float>(wr[k], mul_rn(gr[k], sc.gm), sc.c);
-        vr[k] = bf16_rne(lars_buffer<float>(d, bf16_value(vr[k]), sc.c));
-        wr[k] = lars_step<float>(wr[k], d, bf16_value(vr[k]), sc.c);
+        const float vk = lars_buffer<float>(d, bf16_value(vr[k]), sc.c);
+        vr[k] = bf16_rne(vk);
+        wr[k] = lars_step<float>(wr[k], d, vk, sc.c);
       }
       store_group(buf, vr, off, n, vec);
       store_group(w, wr, off, n, vec);
@@ -163,47 +172,54 @@ struct LarsPass2 {
     });
   }
 
-  // An 8-bit buffer, a block per warp (Note [8-bit blocks on CUDA]): the new buffer, the block's
-  // largest |value| (block_tops), its scale and codes (the signed map, to nearest), the step
-  // from the values stored.
+  // An 8-bit buffer, a block per warp (Note [8-bit blocks on CUDA]), as lars_pass2_chunk_q8 of
+  // csrc/cpu/ops.cpp: the new buffer from the stored one (the dynamic map, Note [8-bit maps]),
+  // the step from the new buffer in float32 (w is stored before the reduction, which it does not
+  // wait for), then the block's largest |value| (block_max), its words and codes.
   __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
                                            int count, const Scalars& sc, W* w, const G* g,
                                            P* p) const {
     constexpr int L = kLaneElems;
     const Packed<signed char> buf = chunk_packed<signed char>(t, kBuf, slot, begin);
+    const float* units = dynamic_units();  // filled before block_broadcast's barrier
     const bool vec = kHasParam ? all_aligned(w, g, p) : all_aligned(w, g);
     const bool vec8 = all_aligned8(buf.codes);
     const bool lane0 = (threadIdx.x & 31) == 0;
     for_each_q8_slice(count, [&](int round, int q, int off, int n) {
       const bool whole = n == L;
-      float wr[L], gr[L], dr[L], vr[L];
+      float vr[L];
       signed char vc[L];
-      load_group(wr, w, off, n, vec && whole);
-      load_group(gr, g, off, n, vec && whole);
-      load_codes(vc, buf.codes, off, n, vec8 && whole);
-      const float f0 = n > 0 ? buf.scales[q] : 0.0f;
-      float top[1] = {0.0f};
-      bool finite[1] = {true};
+      unsigned int top[1] = {0u};
+      {
+        float wr[L], gr[L];
+        load_group(wr, w, off, n, vec && whole);
+        load_group(gr, g, off, n, vec && whole);
+        load_codes(vc, buf.codes, off, n, vec8 && whole);
+        const float a0 = n > 0 ? bits_float(buf.words[2 * q]) : 0.0f;  // none without a block
 #pragma unroll
-      for (int k = 0; k < L; ++k) {
-        dr[k] = lars_direction<float>(wr[k], mul_rn(gr[k], sc.gm), sc.c);
-        vr[k] = lars_buffer<float>(dr[k], q8_signed_value(vc[k], f0), sc.c);
-        if (k < n) lane_top(vr[k], top[0], finite[0]);
+        for (int k = 0; k < L; ++k) {
+          const float d = lars_direction<float>(wr[k], mul_rn(gr[k], sc.gm), sc.c);
+          vr[k] = lars_buffer<float>(d, q8_dynamic_value(vc[k], a0, units), sc.c);
+          wr[k] = lars_step<float>(wr[k], d, vr[k], sc.c);
+          if (k < n) top[0] = max_u32(top[0], magnitude_bits(vr[k]));
+        }
+        store_group(w, wr, off, n, vec && whole);
+        if constexpr (kHasParam) store_group(p, wr, off, n, vec && whole);
       }
-      // every lane has read the block's old scale: lane 0 may write the new one below
-      block_tops<1>(top, finite, round);
-      const float f = block_scale(q8_signed_scale(top[0]), finite[0]);
-      const float qf = q8_signed_factor(top[0]);
-      if (lane0 && n > 0) buf.scales[q] = f;
+      // every lane has read the block's old words: lane 0 may write the new ones below
+      block_max<kBufferTopSite>(top, round);
+      const bool finite = top[0] < kInfBits;
+      const Scaling s = q8_scaling(bits_float(top[0]), 1.0f);  // P = 2^64 for a tiny block
+      if (lane0 && n > 0) {
+        buf.words[2 * q] = finite ? top[0] : kNanWord;
+        buf.words[2 * q + 1] = 0u;
+      }
 #pragma unroll
       for (int k = 0; k < L; ++k) {
-        // a block that is not finite stores codes 0 (and reads as NaN through its scale)
-        vc[k] = finite[0] ? q8_signed_code(vr[k], qf) : static_cast<signed char>(0);
-        wr[k] = lars_step<float>(wr[k], dr[k], q8_signed_value(vc[k], f), sc.c);
+        // a block that is not finite stores codes 0 (read as 0 * NaN)
+        vc[k] = static_cast<signed char>(finite ? q8_dynamic_code(vr[k], s, top[0]) : 0);
       }
       store_codes(buf.codes, vc, off, n, vec8 && whole);
-      store_group(w, wr, off, n, vec && whole);
-      if constexpr (kHasParam) store_group(p, wr, off, n, vec && whole);
     });
   }
 };

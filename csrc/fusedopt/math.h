@@ -435,12 +435,16 @@ FUSEDOPT_HD float q8_root_value(int c, unsigned int top, int sh) {
 }
 
 // Dynamic map of base 8 (LARS's buffer): with y = (|x|*P)*q, q = 1/(a*P), the magnitude is 127
-// for y >= 1, 0 below 8^-7, else 2^L + j in the decade t = (126 - E)/3 below the top (E the
-// biased exponent of y), L = 6 - t; the value of a magnitude is V[mag] * a.
+// for |x| = a (top: its bit pattern), 0 below 8^-7, else 2^L + j in the decade t = (126 - E)/3
+// below the top (E the biased exponent of y), L = 6 - t, then moved to the neighbour whose value
+// is nearer to y where one is (mid: the table of q8_dynamic_mid); the value of a magnitude is
+// V[mag] * a.
 // Written without branches (selects only), so that the host loops over a block vectorize: a
 // branch on the sign alone would be mispredicted half of the time.
-FUSEDOPT_HD int q8_dynamic_code(float x, Scaling s) {
-  const float y = mul_rn(mul_rn(std::fabs(x), s.p), s.q);
+FUSEDOPT_HD int q8_dynamic_code(float x, Scaling s, unsigned int top,
+                                const float* __restrict__ mid) {
+  const unsigned int xb = float_bits(x) & 0x7fffffffu;
+  const float y = mul_rn(mul_rn(bits_float(xb), s.p), s.q);
   const unsigned int yb = float_bits(y);
   const int e = static_cast<int>(yb >> 23);
   const int d = e > 126 ? 0 : 126 - e;
@@ -455,9 +459,17 @@ FUSEDOPT_HD int q8_dynamic_code(float x, Scaling s) {
   j = j < count - 1 ? j : count - 1;
   int mag = (1 << level) + j;
   mag = e < 106 ? 0 : mag;  // y < 2^-21 = 8^-7
-  mag = y >= 1.0f ? 127 : mag;
+  mag = xb == top ? 127 : mag;  // the block's largest |x| itself (y may round below 1)
+  // to the nearest value (mid[c]: between c and c + 1): the part's mean is, within its decade;
+  // at a decade's edge the neighbour's may be nearer
+  const int down = (mag >= 1) & (y < mid[mag >= 1 ? mag - 1 : 0]);
+  const int up = (mag <= 126) & (y >= mid[mag <= 126 ? mag : 126]);
+  mag = mag - down + up;
   return x < 0.0f ? -mag : mag;
 }
+
+// The midpoint between magnitudes c and c + 1: (V[c] + V[c + 1]) * 0.5.
+FUSEDOPT_HD float q8_dynamic_mid(int c);
 
 // V[mag] (float32, one rounding per operation; V[0] = 0, V[127] = 1).
 FUSEDOPT_HD float q8_dynamic_unit(int mag) {
@@ -469,6 +481,10 @@ FUSEDOPT_HD float q8_dynamic_unit(int mag) {
   const float j = static_cast<float>(mag - (1 << level));
   const float frac = div_rn(mul_rn(7.0f, add_rn(j, 0.5f)), count);
   return mul_rn(add_rn(1.0f, frac), bits_float(static_cast<unsigned int>(127 - 3 * (7 - level)) << 23));
+}
+
+FUSEDOPT_HD float q8_dynamic_mid(int c) {
+  return mul_rn(add_rn(q8_dynamic_unit(c), q8_dynamic_unit(c + 1)), 0.5f);
 }
 
 FUSEDOPT_HD float q8_dynamic_value(int code, float a, const float* __restrict__ unit) {

@@ -111,8 +111,9 @@ def _pass1_tile_q8(w_ptr, g_ptr, mw_ptr, mc_ptr, vw_ptr, vc_ptr, bmask, mask, e,
     g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32) * gm
     f0 = bits_float(tl.load(mw_ptr, mask=bmask, other=0))
     eps0 = bits_float(tl.load(mw_ptr + 1, mask=bmask, other=0))
-    s0 = q8_root_value(tl.load(vc_ptr, mask=mask, other=0).to(tl.int32),
-                       tl.load(vw_ptr, mask=bmask, other=0), tl.load(vw_ptr + 1, mask=bmask, other=0))
+    top0 = tl.load(vw_ptr, mask=bmask, other=0)
+    sh0 = tl.load(vw_ptr + 1, mask=bmask, other=0)
+    s0 = q8_root_value(tl.load(vc_ptr, mask=mask, other=0).to(tl.int32), top0, sh0)
     m = q8_direction_value(tl.load(mc_ptr, mask=mask, other=0).to(tl.int32), f0) * (s0 + eps0)
     m, v = lamb_moments(g, m, s0 * s0, beta1, beta2, beta3, one_minus_beta2)
     s = tl.where(mask, ieee_sqrt(q8_saturate(v)), 0.0)  # lanes past the end: not in a block

@@ -327,8 +327,8 @@ def q8_direction_step(a):
 
 @triton.jit
 def q8_direction_code(y, q):
-    """The linear code (int32) of ``y = d·P`` with the block's factor ``q``: ``rint(y·q)``, half to
-    even, by adding and subtracting 1.5·2^23 (``|y·q|`` rounds to at most 127: no clamp)."""
+    """The linear code (int32) of ``y = d·P`` with the block's factor ``q``: ``rint(y·q)``, half
+    to even, by adding and subtracting 1.5·2^23 (``|y·q|`` rounds to at most 127: no clamp)."""
     return (((y * q) + ROUND_MAGIC) - ROUND_MAGIC).to(tl.int32)
 
 
@@ -404,7 +404,7 @@ def q8_dynamic_code(x, p, q):
     count = tl.where(level == 6, 63, 1 << level)
     z = bits_float(yb + ((3 * t + 3) << 23).to(tl.uint32))  # y·8^(t+1), in [1, 8)
     # K[L] = float32(n / 7): 9 for n = 63, else float32(1/7)·2^L
-    k = tl.where(level == 6, 9.0, bits_float((ONE_SEVENTH_BITS + (level << 23)).to(tl.uint32)))
+    k = tl.where(level == 6, 9.0, bits_float(((level << 23) + ONE_SEVENTH_BITS).to(tl.uint32)))
     j = ((z - 1.0) * k).to(tl.int32)
     j = tl.where(j < count - 1, j, count - 1)
     mag = (1 << level) + j
