@@ -8,6 +8,7 @@ optimizers, interleaved round by round on one parameter set.
     python bench/low_precision.py --device cuda --no-peers --tiles 16384,1,2048,8 65536,1,4096,8
     python bench/low_precision.py --device cuda --no-peers --graph   # each step also graphed
     python bench/low_precision.py --resident --no-peers   # a cache-resident set: compute alone
+    python bench/low_precision.py --accuracy      # 8-bit state against full state, and the peers
 
 On the CPU the fusedopt rows run the cpp backend and each sample is one step; on a GPU they run
 every GPU backend that loads (triton, cuda) and each sample is ``--steps`` steps launched back to
@@ -19,7 +20,9 @@ bound by the host or by latency rather than by memory traffic shows as such.
 GB/s use the bytes model of docs/math.md ("Minimum memory traffic"), extended to the formats;
 "of bw" is that against an in-place ``a.add_(c, alpha=s)`` timed in the same rounds. State memory
 is measured from the optimizers' state after a step (bytes of every state tensor, the step
-counts included, per parameter element).
+counts included, per parameter element). ``--accuracy`` prints instead how far 8-bit state moves
+a 50-step run from full state, for fusedopt and the installed peers
+(fusedopt/tools/lowp_accuracy.py).
 """
 from __future__ import annotations
 
@@ -41,11 +44,14 @@ from fusedopt.tools.bench import (  # noqa: E402
     YARDSTICK, Result, bert_base_shapes, interleave, make_params, print_table,
 )
 
-# bytes per element and step (docs/math.md): fp32 params and grads; 8-bit adds its block scales
-SCALES = 8 / 256
-MODEL = {("lamb", "full"): 40, ("lamb", "bf16"): 28, ("lamb", "8bit"): 22 + 3 * SCALES,
-         ("lars", "full"): 28, ("lars", "bf16"): 24, ("lars", "8bit"): 22 + 1.5 * SCALES,
-         "adamw": 28, "adam8bit": 22 + 3 * SCALES}
+# bytes per element and step (docs/math.md): fp32 params and grads; 8-bit adds its block words
+# (8 bytes per block and moment: LAMB reads and writes both in pass 1 and reads d's in pass 2,
+# LARS reads and writes its buffer's); the peers' 8-bit AdamW reads and writes two codes and two
+# float32 scales per block of 256
+WORDS = 8 / 256
+MODEL = {("lamb", "full"): 40, ("lamb", "bf16"): 28, ("lamb", "8bit"): 21 + 5 * WORDS,
+         ("lars", "full"): 28, ("lars", "bf16"): 24, ("lars", "8bit"): 22 + 2 * WORDS,
+         "adamw": 28, "adam8bit": 20 + 4 * 4 / 256}
 
 
 def state_bytes_per_param(opt: torch.optim.Optimizer, numel: int) -> float:
@@ -151,7 +157,14 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="on a GPU, also each optimizer's step captured in a CUDA graph and "
                          "replayed (the device's time without the host's), in the same rounds")
+    ap.add_argument("--accuracy", action="store_true",
+                    help="print the accuracy table of 8-bit state against full state instead "
+                         "(fusedopt/tools/lowp_accuracy.py; CPU)")
+    ap.add_argument("--size", type=int, default=1024,
+                    help="with --accuracy: the weight is SIZE x SIZE (default %(default)s)")
     args = ap.parse_args()
+    if args.accuracy:
+        return accuracy(args.size)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     backends = ([b for b in ("triton", "cuda") if get_backend(b) is not None] if on_gpu
@@ -228,6 +241,17 @@ def main():
                   f"{r.median / adam_ms:11.3f}")
     if on_gpu:
         where_the_time_goes(rows, {r.name: r.median for r in results}, n)
+
+
+def accuracy(size: int) -> None:
+    from fusedopt.tools import lowp_accuracy
+
+    print(f"torch {torch.__version__}; a {size} x {size} weight, 50 steps, worst of 2 seeds: "
+          "relative distance of the 8-bit run's movement from the full-state run's")
+    table = lowp_accuracy.table(shape=(size, size))
+    print(f"\n{'optimizer':42s} {'noise-only':>11s} {'signal+noise':>13s}")
+    for name, errs in table.items():
+        print(f"{name:42s} {errs['noise']:11.2e} {errs['signal']:13.2e}")
 
 
 if __name__ == "__main__":

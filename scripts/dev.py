@@ -6,9 +6,9 @@
     python3 scripts/dev.py bench [args]   # the step-time benchmark table
 
 torch is installed first, from FUSEDOPT_TORCH (default ``torch==2.13.0``: a CPU build on our
-machines; an unpinned torch would pull a multi-GB CUDA build), then requirements-dev.txt and timm
-(without its dependencies), then the project itself with ``pip install --no-build-isolation -e .``
-(this builds the C++ extension).
+machines; an unpinned torch would pull a multi-GB CUDA build), then requirements-dev.txt, timm,
+bitsandbytes and torchao (without their dependencies), then the project itself with
+``pip install --no-build-isolation -e .`` (this builds the C++ extension).
 Set-up steps are skipped when their inputs have not changed since the last run.
 """
 import hashlib
@@ -23,6 +23,9 @@ VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 TORCH = os.environ.get("FUSEDOPT_TORCH", "torch==2.13.0")
 TIMM = "timm==1.0.31"
+# the peers' 8-bit optimizers, which tests/test_low_precision_peers.py and bench/low_precision.py
+# compare with; without their dependencies (bitsandbytes' would pull another torch)
+PEERS = ("bitsandbytes==0.50.2", "torchao==0.18.0")
 
 
 def sh(*cmd: str, **kw) -> None:
@@ -57,6 +60,7 @@ def setup() -> None:
     # timm's optimizers are a comparison in the tests and the benchmark. Without its dependencies:
     # they pull torchvision, which needs (and would install) a torch other than ours.
     step_once(TIMM, [], *pip, "--no-deps", TIMM)  # the pin names the stamp
+    step_once("-".join(PEERS), [], *pip, "--no-deps", *PEERS)
     sources = [ROOT / "setup.py", ROOT / "pyproject.toml", *ROOT.glob("csrc/**/*.*")]
     step_once("project", sources, *pip, "--no-build-isolation", "-e", ".")
 

@@ -122,9 +122,15 @@ MUTATIONS = [
         "tensor's (docs/math.md, \"Random bits\")"),
     Mutation(
         "q8_dynamic_units", "cuda/lowp.cuh",
-        "if (i < kDynamicUnits) dynamic_units()[i] = q8_dynamic_unit(i);",
-        "if (i < kDynamicUnits / 2) dynamic_units()[i] = q8_dynamic_unit(i);",
-        "the dynamic map's table without its upper half (the values of the top decade)"),
+        "if (i < 128) t.unit[i] = q8_dynamic_unit(i);",
+        "if (i < 64) t.unit[i] = q8_dynamic_unit(i);",
+        "the dynamic map's table of values without its upper half (the values of the top "
+        "decade)"),
+    Mutation(
+        "q8_dynamic_mids", "cuda/lowp.cuh",
+        "else if (i < kDynamicValues) t.mid[i - 128] = q8_dynamic_mid(i - 128);",
+        "else if (i < kDynamicValues - 1) t.mid[i - 128] = q8_dynamic_mid(i - 128);",
+        "the dynamic map's midpoints without the last (between the two largest magnitudes)"),
     Mutation(
         "lars_rounded_step", "cuda/lars.cu",
         "wr[k] = lars_step<float>(wr[k], d, vk, sc.c);",

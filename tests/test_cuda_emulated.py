@@ -1274,9 +1274,9 @@ def test_the_comparisons_are_not_vacuous(fresh, kind, wrong):
 def test_the_step_tests_catch_a_planted_bug():
     """tests/simt_mutations.py with one of its mutations (LAMB's pass 1 deciding on 16-byte
     accesses without testing v's alignment): the step tests, built from the mutated copy of
-    csrc/, must fail. The script also plants two missing barriers and runs a control; each
-    mutation takes a build and a pytest run (about 15 s on one core), so only this one runs
-    here (docs/cuda_emulation.md)."""
+    csrc/, must fail. The script also plants missing barriers, other alignment tests and slips
+    of the 8-bit maps, and runs a control; each mutation takes a build and a pytest run, so only
+    this one runs here (docs/cuda_emulation.md)."""
     import simt_mutations
 
     out = simt_mutations.check(["alignment_check"], control=False, first_failure=True,

@@ -101,11 +101,11 @@ def test_root_map_steps_are_the_blocks_range_in_255_codes():
     root: to nearest, a stored root is within half a step (2^(sh-1)) of the float pattern of s,
     stochastically within one step; the step is the block's range in 255 codes rounded up to a
     power of 2; the largest is exact, zeros stay zero, nothing else reads as 0; a block within a
-    factor of 2 gets a relative step of at most 2^-7, one over 20 octaves of at most 9%."""
+    factor of 2 gets a relative step of at most 2^-7, one over 20 octaves of at most 2^-3."""
     gen = torch.Generator().manual_seed(2)
     narrow = torch.rand(256 * 20, generator=gen) + 1.0  # [1, 2)
     wide = 2.0 ** (-20 * torch.rand(256 * 20, generator=gen))
-    for s, step in ((narrow, 2.0 ** -7), (wide, 0.09)):  # relative step: 2^(sh - 23) at most
+    for s, step in ((narrow, 2.0 ** -7), (wide, 0.125)):  # relative step: 2^(sh - 23) at most
         s = s.clone()
         s[7] = 0.0
         for bits, steps in ((None, 0.5), (lowp.random_bits(torch.tensor(3.0), 7, s.numel()), 1.0)):
@@ -132,7 +132,8 @@ def test_root_map_range_is_24_octaves_below_the_largest():
     codes, words, back = _root(s)
     assert int(words[0, 1]) == 20  # 254 steps of 2^20 bit patterns: 31.75 octaves
     assert abs(back[1] / s[1] - 1) < 0.06
-    assert codes[2] == 1 and back[2] == 2.0 ** -31.75
+    floor = torch.tensor(0x3F800000 - (254 << 20), dtype=torch.int32).view(torch.float32)
+    assert codes[2] == 1 and back[2] == floor and 2.0 ** -32 < floor < 2.0 ** -31
 
 
 def test_dynamic_map_round_trip_error_is_bounded():
@@ -374,7 +375,7 @@ def test_backends_match_the_float64_reference(kind, precision, backend):
         torch.testing.assert_close(p.detach().double(), w, rtol=0, atol=1e-4)
     key = "exp_avg" if kind == "lamb" else "momentum_buffer"
     for i, p in enumerate(params):
-        got = lowp.read(opt.state[p][key], p.shape).double()
+        got = lowp.read(opt.state[p][key], p.shape, key).double()
         want = ref.state[(0, i)][key]
         off = ~torch.isclose(got, want, rtol=1e-5, atol=1e-12)
         assert off.float().mean() < 0.01, off.float().mean()
@@ -586,7 +587,7 @@ def test_a_block_whose_largest_value_is_tiny_is_stored():
     for precision in ("full", "8bit"):
         gen = torch.Generator().manual_seed(8)
         p = torch.nn.Parameter(torch.randn(4096, generator=gen))
-        opt = _opt("lars", [p], "cpp", precision, adapt=False, lr=1.0)
+        opt = _opt("lars", [p], "cpp", precision, adapt=False, lr=1.0, weight_decay=0.0)
         g = torch.randn(4096, generator=gen) * 1e-39
         g[::3] = 0.0
         p.grad = g
@@ -662,6 +663,13 @@ def test_state_dict_holds_8bit_codes_and_block_words_live(kind):
     _assert_continue_alike(params, opt, twins, twin)
 
 
+def _block_top(x):
+    """The largest |x| of each element's 256-element block (of the flat tensor), per element."""
+    flat = x.reshape(-1)
+    pad = torch.nn.functional.pad(flat.abs(), (0, -flat.numel() % 256))
+    return pad.view(-1, 256).amax(1).repeat_interleave(256)[:flat.numel()].view(x.shape)
+
+
 # tests/data/lowp_v1.pt: 8-bit state dicts of the earlier format (E4M3 codes of m and LARS's
 # buffer, E4M4 codes of √v, float32 scales under "<key>_scales"), saved by fusedopt at d3f344a
 # after three steps of the run below, with the params, the grads of two more steps and, per
@@ -697,9 +705,9 @@ def test_8bit_checkpoints_of_the_earlier_format_load_converted(kind, form):
         values = lowp.moments({k: opt.state[p][k] for k in opt._state_keys}, p.shape)
         for key in opt._state_keys:
             want = rec["values"][i][key]  # m, v or the buffer as the earlier version read them
-            a = want.abs().view(-1, 256).amax(1).repeat_interleave(256)[:want.numel()].view(
-                want.shape) if want.numel() >= 256 else want.abs().max()
-            assert ((values[key] - want).abs() <= 0.02 * a + 1e-30).all(), key
+            # v to nearest by its root, whose step here is up to 2^-5 of a value: 2^-4 of v
+            tol = 0.05 if key == "exp_avg_sq" else 0.02
+            assert ((values[key] - want).abs() <= tol * _block_top(want)).all(), key
     for g in rec["grads"]:
         for p, x in zip(params, g):
             p.grad = x.clone()
@@ -736,7 +744,7 @@ def test_an_empty_params_8bit_state_of_any_stride_steps(backend):
      "'exp_avg_sq': block 3 holds the words .* a shift of at most 20"),
     (lambda st: st["exp_avg_blocks"].view(torch.int32)[2, 0].fill_(-1082130432),
      "'exp_avg': block 2 holds the words"),
-    (lambda st: st.update(exp_avg=st["exp_avg"].view(-1)), "codes of shape \\(4100,\\)"),
+    (lambda st: st.update(exp_avg=st["exp_avg"].view(-1)), "codes of shape \\(4120,\\)"),
     (lambda st: st.update(step=torch.tensor(-1.0)), "'step' is -1.0"),
     (lambda st: st.update(step=torch.tensor(float("nan"))), "'step' is nan"),
     (lambda st: st.update(step=2.5), "'step' is 2.5"),

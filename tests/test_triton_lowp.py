@@ -228,13 +228,21 @@ def test_lars_options_match_cpp(opts):
 def test_ties_and_the_dynamic_map_s_edges():
     """LARS's first step in the torch-SGD form without adaptation or decay stores the gradient
     itself as the buffer: in both backends, gradients halfway between two bf16 values round to
-    the even one, and the 8-bit buffer's codes at the edges of the dynamic map's decades
-    (docs/math.md, "8-bit": ``y = 1``, the lowest value kept, ``2^-21``, and the value just
-    below it, the bottom of the top decade ``8^-1`` and the value just below, which ends the
-    decade below with its last code, the value just below 1) are the map's."""
-    u = 2.0 ** -24  # float32(1 - u) is the float below 1
-    edges = torch.tensor([1.0, -1.0, 2.0 ** -21, 2.0 ** -21 * (1 - u), 0.125, 0.125 * (1 - u),
-                          1 - u, 1.5 * 2.0 ** -21])
+    the even one, and the 8-bit buffer (docs/math.md, "8-bit": the code of the nearest value)
+    codes the block's largest magnitude as ±127, the float below 1 as 127 (nearer to 1 than to
+    ``V[126]``), ``V[126]`` as 126, and a midpoint ``M[c]`` between two codes as ``c + 1``, the
+    float below it as ``c``: at the bottom of the map (0 and 1), across the edge of the top decade
+    (63 and 64) and inside it (64 and 65)."""
+    values = lowp._DYNAMIC  # V[mag], float32
+
+    def mid(c):  # M[c] = (V[c] + V[c + 1])·0.5 in float32
+        return ((values[c] + values[c + 1]) * 0.5).item()
+
+    def below(x):
+        return torch.nextafter(torch.tensor(x), torch.tensor(0.0)).item()
+
+    edges = torch.tensor([1.0, -1.0, mid(0), below(mid(0)), mid(63), below(mid(63)), mid(64),
+                          below(mid(64)), below(1.0), values[126].item()])
     ties = torch.tensor([0.5 + 2.0 ** -9, 0.5 + 3 * 2.0 ** -9])  # bf16 steps of 2^-8 here
 
     def hook(t, grads):
@@ -247,7 +255,8 @@ def test_ties_and_the_dynamic_map_s_edges():
     eight, half = ref[-len(SHAPES)], ref[-len(SHAPES) + 1]
     words, codes = lowp.split(eight, 300)
     assert words[0].tolist() == [torch.tensor(1.0).view(torch.int32).item(), 0]  # (bits(a), 0)
-    assert codes[:len(edges)].view(torch.int8).tolist() == [127, -127, 1, 0, 64, 63, 126, 1]
+    assert codes[:len(edges)].view(torch.int8).tolist() == [127, -127, 1, 0, 64, 63, 65, 64, 127,
+                                                            126]
     assert half.view(-1)[:2].float().tolist() == [0.5, 0.5 + 2.0 ** -7]
 
 

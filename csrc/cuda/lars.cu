@@ -106,9 +106,9 @@ struct LarsPass2 {
                              int64_t) const {
     if (step_skipped(found_inf)) return;  // the same for every thread of the block
     if constexpr (kLowp) {
-      // the dynamic map's table, published by block_broadcast's barrier (every thread reads the
+      // the dynamic map's tables, published by block_broadcast's barrier (every thread reads the
       // format from the table of the launch, so the branch is the same for the whole block)
-      if (slot_format(t, kState, slot) == k8bitState) fill_dynamic_units();
+      if (slot_format(t, kState, slot) == k8bitState) fill_dynamic_tables();
     }
     const Scalars sc = block_broadcast<Scalars>([&] {
       LarsHyper hl = h;
@@ -181,7 +181,7 @@ struct LarsPass2 {
                                            P* p) const {
     constexpr int L = kLaneElems;
     const Packed<signed char> buf = chunk_packed<signed char>(t, kBuf, slot, begin);
-    const float* units = dynamic_units();  // filled before block_broadcast's barrier
+    const DynamicTables& tables = dynamic_tables();  // filled before block_broadcast's barrier
     const bool vec = kHasParam ? all_aligned(w, g, p) : all_aligned(w, g);
     const bool vec8 = all_aligned8(buf.codes);
     const bool lane0 = (threadIdx.x & 31) == 0;
@@ -199,7 +199,7 @@ struct LarsPass2 {
 #pragma unroll
         for (int k = 0; k < L; ++k) {
           const float d = lars_direction<float>(wr[k], mul_rn(gr[k], sc.gm), sc.c);
-          vr[k] = lars_buffer<float>(d, q8_dynamic_value(vc[k], a0, units), sc.c);
+          vr[k] = lars_buffer<float>(d, q8_dynamic_value(vc[k], a0, tables.unit), sc.c);
           wr[k] = lars_step<float>(wr[k], d, vr[k], sc.c);
           if (k < n) top[0] = max_u32(top[0], magnitude_bits(vr[k]));
         }
@@ -217,7 +217,8 @@ struct LarsPass2 {
 #pragma unroll
       for (int k = 0; k < L; ++k) {
         // a block that is not finite stores codes 0 (read as 0 * NaN)
-        vc[k] = static_cast<signed char>(finite ? q8_dynamic_code(vr[k], s, top[0]) : 0);
+        vc[k] = static_cast<signed char>(finite ? q8_dynamic_code(vr[k], s, top[0], tables.mid)
+                                                : 0);
       }
       store_codes(buf.codes, vc, off, n, vec8 && whole);
     });

@@ -1,7 +1,7 @@
 // Low-precision optimizer state on CUDA (docs/math.md "Low-precision state", Note [state formats]
 // and Note [8-bit maps] in fusedopt/math.h): the per-tensor format in the launch tables, the
 // packed 8-bit layout, the iteration over 8-bit blocks, the reductions of a block's words and the
-// dynamic map's table. The functors of lamb.cu and lars.cu branch on a tensor's format once per
+// dynamic map's tables. The functors of lamb.cu and lars.cu branch on a tensor's format once per
 // chunk; the per-element math is the rounded-operation functions of math.h (Note [rounded
 // operations]), so that the kernels store the bytes the cpp backend stores (csrc/cpu/ops.cpp,
 // lamb_pass1_chunk_q8 and its siblings).
@@ -206,21 +206,28 @@ __device__ __forceinline__ void lane_root_words(float s, unsigned int (&x)[2]) {
   x[1] = max_u32(x[1], b == 0u ? 0u : ~b);
 }
 
-// V[mag] of the dynamic map (Note [8-bit maps]), for every thread of the block in shared memory:
-// fill_dynamic_units writes it (threads 0..127, q8_dynamic_unit itself, so the values are those
-// of the host's table bit for bit), and it may be read after the next __syncthreads of the
-// block.
-constexpr int kDynamicUnits = 128;
-static_assert(kBlockSize >= kDynamicUnits, "one thread per value of the dynamic map's table");
+// The dynamic map's tables (Note [8-bit maps]) for every thread of the block, in shared memory:
+// V[mag] and the midpoints M[c] between neighbours, which fill_dynamic_tables writes (threads
+// 0..254, one value each, with q8_dynamic_unit and q8_dynamic_mid themselves, so the values are
+// those of the host's tables bit for bit); they may be read after the next __syncthreads of the
+// block. Shared memory, not constant memory: the lanes of a warp read different entries.
+struct DynamicTables {
+  float unit[128];  // V[mag], mag = 0..127
+  float mid[127];   // M[c] = (V[c] + V[c + 1]) * 0.5, c = 0..126
+};
+constexpr int kDynamicValues = 128 + 127;
+static_assert(kBlockSize >= kDynamicValues, "one thread per value of the dynamic map's tables");
 
-__device__ __forceinline__ float* dynamic_units() {
-  __shared__ float units[kDynamicUnits];
-  return units;
+__device__ __forceinline__ DynamicTables& dynamic_tables() {
+  __shared__ DynamicTables tables;
+  return tables;
 }
 
-__device__ __forceinline__ void fill_dynamic_units() {
+__device__ __forceinline__ void fill_dynamic_tables() {
   const int i = static_cast<int>(threadIdx.x);
-  if (i < kDynamicUnits) dynamic_units()[i] = q8_dynamic_unit(i);
+  DynamicTables& t = dynamic_tables();
+  if (i < 128) t.unit[i] = q8_dynamic_unit(i);
+  else if (i < kDynamicValues) t.mid[i - 128] = q8_dynamic_mid(i - 128);
 }
 
 }  // namespace cuda

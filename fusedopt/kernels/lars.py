@@ -156,10 +156,10 @@ def _pass2_tile_q8(w_ptr, p_ptr, g_ptr, vw_ptr, c_ptr, bmask, mask, gm, ratio, l
     a, ok = block_top(v)
     p, q = q8_scaling(a, 1.0)
     ok3 = ok[:, :, None]
-    cv = q8_dynamic_code(tl.where(ok3, v, 0.0), p[:, :, None], q[:, :, None])  # 0 where not ok
+    top = tl.where(ok, float_bits(a).to(tl.int32, bitcast=True), NAN_WORD)[:, :, None]
+    cv = q8_dynamic_code(tl.where(ok3, v, 0.0), p[:, :, None], q[:, :, None], top)  # 0: not ok
     tl.store(c_ptr, cv.to(tl.int8), mask=mask)
-    tl.store(vw_ptr, tl.where(ok, float_bits(a).to(tl.int32, bitcast=True), NAN_WORD)[:, :, None],
-             mask=bmask)
+    tl.store(vw_ptr, top, mask=bmask)
     tl.store(vw_ptr + 1, tl.zeros_like(ok3.to(tl.int32)), mask=bmask)
 
 

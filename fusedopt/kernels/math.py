@@ -391,10 +391,14 @@ def q8_root_value(c, top, sh):
 
 
 @triton.jit
-def q8_dynamic_code(x, p, q):
+def q8_dynamic_code(x, p, q, top):
     """math.h's q8_dynamic_code: the dynamic-map code (int32 in [-127, 127]) of ``x`` (finite)
-    in a block with prescale ``p`` and factor ``q = 1/(a·p)``."""
-    y = (tl.abs(x) * p) * q
+    in a block with prescale ``p``, factor ``q = 1/(a·p)`` and ``top`` the bit pattern of its
+    largest magnitude ``a`` (int32): 127 for ``|x| = a``, else the part of its decade that holds
+    ``y = (|x|·p)·q``, then moved to the neighbour whose value is nearer to ``y`` where one is
+    (the midpoints ``M[c] = (V[c] + V[c + 1])·0.5`` of math.h's q8_dynamic_mid)."""
+    xb = magnitude_bits(x)
+    y = (bits_float(xb) * p) * q
     yb = float_bits(y)
     e = (yb >> 23).to(tl.int32)
     d = tl.where(e > 126, 0, 126 - e)
@@ -409,7 +413,18 @@ def q8_dynamic_code(x, p, q):
     j = tl.where(j < count - 1, j, count - 1)
     mag = (1 << level) + j
     mag = tl.where(e < 106, 0, mag)  # y < 2^-21 = 8^-7
-    mag = tl.where(y >= 1.0, 127, mag)
+    mag = tl.where(xb == top, 127, mag)  # the block's largest |x| itself (y may round below 1)
+    # to the nearest value: M[lo] = M[mag - 1] below mag, M[hi] = M[mag] above it (the same
+    # midpoint at either end of the map, where only one neighbour exists)
+    lo = tl.where(mag >= 1, mag - 1, 0)
+    hi = tl.where(mag <= 126, mag, 126)
+    u0 = q8_dynamic_unit(lo)
+    u1 = q8_dynamic_unit(lo + 1)
+    mid_lo = (u0 + u1) * 0.5
+    mid_hi = tl.where(hi == lo, mid_lo, (u1 + q8_dynamic_unit(hi + 1)) * 0.5)
+    down = (mag >= 1) & (y < mid_lo)
+    up = (mag <= 126) & (y >= mid_hi)
+    mag = mag - down.to(tl.int32) + up.to(tl.int32)
     return tl.where(x < 0.0, -mag, mag)
 
 
