@@ -26,9 +26,12 @@ commands:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(f"{USAGE}\nfusedopt: error: a command is required", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(USAGE, end="")
-        return 0 if argv else 2
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "check":
         from .tools import check

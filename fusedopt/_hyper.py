@@ -33,6 +33,7 @@ LAMB_DEFAULTS: dict[str, Any] = dict(
 )
 
 LARS_DEFAULTS: dict[str, Any] = dict(
+    lr=1e-3,  # torch SGD's default, so that FusedLARS(params) constructs as SGD(params) does
     momentum=0.9,
     weight_decay=0.0,
     trust_coefficient=0.001,

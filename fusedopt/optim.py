@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
-from torch.optim.optimizer import required
 
 from . import _checkpoint
 from . import backends as _backends
@@ -197,10 +196,6 @@ class _TrustRatioOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         candidate = dict(self.defaults)
         candidate.update({k: v for k, v in param_group.items() if k != "params"})
-        for k, v in candidate.items():
-            if v is required:
-                raise ValueError(f"{type(self).__name__}: {k} is required: give {k}= or set it "
-                                 f"in every param group (this group has none)")
         self._check_options(candidate)
         params = param_group["params"]
         # a list from here on, as torch's add_param_group makes it: a generator read here would
@@ -1032,7 +1027,10 @@ class FusedLARS(_TrustRatioOptimizer):
         w ← w − step
 
     The buffer is ``state["momentum_buffer"]`` (torch SGD's name). ``max_grad_norm`` clips by the
-    global norm of all gradients first. See :class:`FusedLAMB` for ``backend``, ``master_weights``,
+    global norm of all gradients first. ``lr`` defaults to torch SGD's 1e-3 so that the class
+    constructs as SGD does; it means little for LARS, whose useful learning rate grows with the
+    batch size and depends on ``trust_coefficient`` (docs/large-batch.md): give one (e.g.
+    ``lr=0.1 * batch_size / 256`` with the default trust coefficient). See :class:`FusedLAMB` for ``backend``, ``master_weights``,
     ``state_precision`` (here for the momentum buffer, rounded to nearest), ``state_min_numel``
     and per-group options.
     """
@@ -1045,7 +1043,7 @@ class FusedLARS(_TrustRatioOptimizer):
     def __init__(
         self,
         params,
-        lr: float | torch.Tensor = required,
+        lr: float | torch.Tensor = LARS_DEFAULTS["lr"],
         momentum: float = LARS_DEFAULTS["momentum"],
         weight_decay: float = LARS_DEFAULTS["weight_decay"],
         *,

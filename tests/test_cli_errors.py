@@ -212,6 +212,16 @@ BAD: list[tuple[list[str], str]] = [
     (["bench", "--device", "cuda:99"], "--device cuda:99"),
     (["bench", "--only", "adagrad"], "--only 'adagrad': matches none"),
     (["frobnicate"], "unknown command 'frobnicate'"),
+    ([], "a command is required"),
+    (["check", "--json", os.path.join(FILE, "report.json")], "--json"),
+    (["check", "--json", "/nonexistent/folder/report.json"], "does not exist"),
+    (["check", "--quick", "--quick"], "argument --quick: given more than once"),
+    (["bench", "--repeats", "3", "--repeats", "4"], "argument --repeats: given more than once"),
+    (["demo", "--runs", "sgd_b32", "--runs", "lars_b512"], "argument --runs: given more than once"),
+    (["demo", "--epochs=2", "--epochs", "3"], "argument --epochs: given more than once"),
+    (["demo", "sweep", "--batches", "16", "--batches", "32"],
+     "argument --batches: given more than once"),
+    (["demo", "sweep", "--seeds", "1", "--seeds=2"], "argument --seeds: given more than once"),
     *_every_key(),
 ]
 
@@ -240,12 +250,12 @@ def no_work(monkeypatch):
         monkeypatch.setattr(module, name, refuse)
 
 
-@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a)[:80] for a, _ in BAD])
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a)[:80] or "(none)" for a, _ in BAD])
 def test_bad_command_line_is_an_error_line(argv, message, no_work, tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     argv = [a.replace(FILE, str(a_file)) for a in argv]
-    if argv[0] == "demo" and "--out" not in argv:
+    if argv[:1] == ["demo"] and "--out" not in argv:
         argv += ["--out", str(tmp_path / "out")]
     if message in NEEDS_DATA:
         pytest.importorskip("sklearn")
@@ -311,3 +321,28 @@ def test_bad_command_line_in_a_subprocess(argv, message, tmp_path):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     assert "error:" in r.stderr and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv, files", [
+    (["demo", "--epochs", "1", "--runs", "sgd_b32", "--no-noise-scale", "--no-progress"],
+     ("table.md", "results.json")),
+    (["demo", "sweep", "--batches", "16,full", "--optimizers", "sgd", "--seeds", "0",
+      "--tune-seeds", "100", "--lr-grid", "1", "--lr-cap", "1", "--target-loss", "2",
+      "--target-accuracy", "0.1", "--max-epochs", "1", "--no-noise-scale", "--bootstrap", "10",
+      "--no-progress"], ("sweep.md", "sweep.json")),
+], ids=["demo", "sweep"])
+def test_without_matplotlib_the_results_are_written(argv, files, tmp_path, capsys, monkeypatch):
+    """Without matplotlib the tools warn before any work, write their results and leave the
+    figure out (they trained fully, then failed in the plot before anything was saved)."""
+    pytest.importorskip("sklearn")
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find(name, *a))
+    code = _run([*argv, "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, (out, err)
+    assert "warning: matplotlib is not installed" in err and "error:" not in err
+    assert all((tmp_path / f).stat().st_size > 0 for f in files)
+    assert not list(tmp_path.glob("*.png"))

@@ -144,7 +144,9 @@ def test_cli_dispatch(monkeypatch, capsys):
     monkeypatch.setattr(bench, "main", lambda argv=None: seen.append(argv))
     assert cli_main(["bench", "--quick", "-x"]) == 0
     assert seen == [["--quick", "-x"]]
-    assert cli_main([]) == 2 and "usage" in capsys.readouterr().out
+    assert cli_main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage" in err and "fusedopt: error: a command is required" in err
     assert cli_main(["--help"]) == 0
     assert cli_main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err

@@ -419,12 +419,12 @@ def _movement_error(kind, backend, precision, seed, steps=50):
 
 
 # Thresholds: bf16 rounds each moment by at most 2^-8 of itself (2^-7 for v, stochastically);
-# after 50 steps the movement differs from fp32's by 0.35% (LAMB) and 0.24% (LARS). 8-bit rounds
-# by up to 1/16 of a value (m) and of √v (stochastically); the errors of 50 steps mostly average
-# out: 5.4% (LAMB) and 3.8% (LARS), the same on both backends and for three seeds. bitsandbytes'
-# own 8-bit optimizer tests accept per-element deviations of this order after 50 steps. The
-# bounds leave about 2x (8-bit) and 3x (bf16) over what was measured.
-BOUNDS = {"bf16": 0.01, "8bit": 0.10}
+# after 50 steps the movement differs from fp32's by 0.35% (LAMB) and 0.21% (LARS). 8-bit: LAMB's
+# direction to 1/254 of its block's largest, √v to about 2^-7 of itself (stochastically), LARS's
+# buffer to 0.7% of its block's largest at the top: 1.05% (LAMB) and 1.3% (LARS), the same on both
+# backends and for three seeds (the earlier format: 5.4% and 3.8%). The bounds leave about 2x
+# (8-bit) and 3x (bf16) over what was measured.
+BOUNDS = {"bf16": 0.01, "8bit": 0.025}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

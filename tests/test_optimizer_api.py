@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.optim.optimizer import required
 
 import fusedopt
 from fusedopt.reference import LAMB_SPEC, LARS_SPEC
@@ -44,8 +43,9 @@ def test_signature_defaults_equal_spec(cls, spec):
     for name, value in spec.items():
         assert sig[name].default == value, name
     if cls is fusedopt.FusedLARS:
-        # LARS has no default lr: torch's `required`, so that the groups may each give one
-        assert sig["lr"].default is required
+        # torch SGD's default lr, so that FusedLARS(params) constructs as SGD(params) does
+        assert sig["lr"].default == inspect.signature(torch.optim.SGD.__init__).parameters[
+            "lr"].default == 1e-3
 
 
 def _readme_signature(name):

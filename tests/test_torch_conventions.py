@@ -150,14 +150,16 @@ def test_state_dict_round_trips_are_equal(kind):
     twin.step()  # a non-param entry does not disturb a step
 
 
-def test_lars_lr_may_be_given_per_group_only():
+def test_lars_lr_may_be_given_per_group_and_defaults_to_sgds():
+    """As torch.optim.SGD: per-group lrs, and 1e-3 where none is given (FusedLARS(params)
+    constructs, as SGD(params) does)."""
     ps = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
     opt = fusedopt.FusedLARS([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:], "lr": 0.2}])
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2]
-    with pytest.raises(ValueError, match="lr is required"):
-        fusedopt.FusedLARS([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:]}])
-    with pytest.raises(ValueError, match="lr is required"):
-        fusedopt.FusedLARS(ps)
+    opt = fusedopt.FusedLARS([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:]}])
+    sgd = torch.optim.SGD([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:]}])
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in sgd.param_groups] == [0.1, 1e-3]
+    assert fusedopt.FusedLARS(ps).param_groups[0]["lr"] == torch.optim.SGD(ps).param_groups[0]["lr"]
 
 
 def _state_of(opt, params, keys):
@@ -219,3 +221,35 @@ def test_state_dict_hooks_see_what_they_see_of_torch_optimizers(precision):
         for p in qs:
             p.grad = torch.ones_like(p)
         new.step()  # the loaded state fits its params
+
+
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+def test_warm_start_from_fused_adamw_keeps_only_what_is_learned(backend):
+    """A state dict of torch.optim.AdamW(fused=True) loads into FusedLAMB and steps: its moments
+    and step counts are taken, its implementation flags (fused, foreach, capturable,
+    differentiable) are not (the eager backend refused every step of a group that came back with
+    fused=True)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+    adamw = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        adamw.step()
+    sd = adamw.state_dict()
+    assert sd["param_groups"][0]["fused"] is True
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    lamb = fusedopt.FusedLAMB(qs, backend=backend)
+    lamb.load_state_dict(sd)
+    group = lamb.param_groups[0]
+    assert (group["fused"], group["foreach"], group["capturable"], group["differentiable"]) == (
+        None, None, False, False)
+    assert group["betas"] == sd["param_groups"][0]["betas"]  # what was learned is kept
+    for q, p in zip(qs, ps):
+        assert torch.equal(lamb.state[q]["exp_avg"], adamw.state[p]["exp_avg"])
+        assert float(lamb.state[q]["step"]) == 2
+        q.grad = torch.randn_like(q)
+    before = [q.detach().clone() for q in qs]
+    lamb.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, qs))
+    assert float(lamb.state[qs[0]]["step"]) == 3

@@ -45,7 +45,7 @@ import torch
 
 import fusedopt
 
-from .common import DemoError, Number, check_option, parse_device
+from .common import DemoError, Number, check_option, parse_device, parse_once
 
 BYTES_PER_ELEMENT = {"lamb": 40, "lars": 28, "adamw": 28, "sgd": 20}
 FLATTENED = " (flattened params)"  # suffix of the rows on flattened params (module docstring)
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None,
                     help="interleaved rounds (timed steps per optimizer), at least 2")
     ap.add_argument("--only", default=None, help="run only optimizers whose label contains this")
-    args = ap.parse_args(argv)
+    args = parse_once(ap, argv)
     try:
         device = parse_device("--device", args.device)
         if args.repeats is not None:

@@ -61,7 +61,7 @@ import fusedopt
 from fusedopt import backends as _backends
 from fusedopt import testing
 from fusedopt.testing import one_line as _one_line
-from fusedopt.tools.common import torch_threads
+from fusedopt.tools.common import DemoError, check_file_path, parse_once, torch_threads
 
 # --------------------------------------------------------------------------------- the cases
 # The cases, the rules and their tolerances are fusedopt.testing's (what the test suite runs):
@@ -854,10 +854,12 @@ def main(argv: list[str] | None = None, *,
     ap.add_argument("--json", metavar="PATH",
                     help="also write the rows, the backends not checked and the problems to PATH "
                          "(scripts/gpu_verify.py reads it)")
-    args = ap.parse_args(argv)
+    args = parse_once(ap, argv)
     try:
         devices = parse_devices(args.device) if args.device else None
-    except ValueError as e:
+        if args.json:
+            check_file_path("--json", args.json)
+    except (ValueError, DemoError) as e:
         ap.error(str(e))
     report = run(devices, args.backend, quick=args.quick, speed=not args.no_speed,
                  backend_objects=backend_objects)

@@ -8,6 +8,7 @@ or key and the value.
 from __future__ import annotations
 
 import ast
+import argparse
 import contextlib
 import math
 import os
@@ -256,10 +257,55 @@ def md_table(head: list[str], rows: list[list[str]], left: set[int]) -> str:
     return "\n".join([line(head), sep, *map(line, rows)])
 
 
+def parse_once(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, refusing an option given twice (argparse keeps the last one
+    silently) unless it is one that collects its values (``action="append"``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    seen: dict[str, str] = {}
+    for token in argv:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        for action in parser._actions:  # noqa: SLF001 - argparse's own table of the options
+            if name in action.option_strings and not isinstance(
+                    action, (argparse._AppendAction, argparse._CountAction,  # noqa: SLF001
+                             argparse._HelpAction)):  # noqa: SLF001
+                key = action.dest
+                if key in seen:
+                    parser.error(f"argument {name}: given more than once ({seen[key]} and "
+                                 f"{token})")
+                seen[key] = token
+    return parser.parse_args(argv)
+
+
+def check_file_path(option: str, path: str) -> None:
+    """Raises DemoError unless a file can be written at ``path`` (its folder exists and is
+    writable; the path is not a folder), before any work starts."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DemoError(f"{option} {path!r}: is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise DemoError(f"{option} {path!r}: its folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise DemoError(f"{option} {path!r}: cannot write there")
+
+
+def plotting_available(prog: str) -> bool:
+    """Whether matplotlib imports; if not, a warning that the results are written without their
+    figure (before any work starts)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    print(f"{prog}: warning: matplotlib is not installed: the results are written without "
+          "the figure (pip install matplotlib)", file=sys.stderr)
+    return False
+
+
 def cli_main(prog: str, parser, run, argv: list[str] | None) -> int:
-    """A tool's ``main``: parse ``argv``, run, and print a :class:`DemoError` as
-    ``PROG: error: MESSAGE`` with exit status 2."""
-    args = parser.parse_args(argv)
+    """A tool's ``main``: parse ``argv`` (an option given twice is refused), run, and print a
+    :class:`DemoError` as ``PROG: error: MESSAGE`` with exit status 2."""
+    args = parse_once(parser, argv)
     try:
         run(args)
     except DemoError as e:

@@ -40,7 +40,7 @@ import torch
 from ..schedules import DECAYS
 from . import digits
 from .common import (MAX_EPOCHS, PROBE_WINDOWS, SEED, Check, Choice, DemoError, Number, Text,
-                     cli_main,
+                     cli_main, plotting_available,
                      check_option, make_out_dir, md_table, parse_device, parse_overrides,
                      threads_check, torch_threads)
 from .digits import (accuracy, exact_noise_scale, load_data, make_model, make_optimizer,
@@ -397,12 +397,13 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     plan = validate(args)
+    plan["figure"] = plotting_available("fusedopt demo")
     with torch_threads(args.threads):
         return _run(args, **plan)
 
 
 def _run(args: argparse.Namespace, *, device: torch.device, recipes: dict[str, dict[str, Any]],
-         runs: list[str]) -> list[dict[str, Any]]:
+         runs: list[str], figure: bool = True) -> list[dict[str, Any]]:
     data = load_data(args.dataset, args.eval_on, args.image_size)
     x_tr, y_tr, x_ev, y_ev, n_classes, desc = data
     data = (x_tr.to(device), y_tr.to(device), x_ev.to(device), y_ev.to(device), n_classes, desc)
@@ -451,9 +452,7 @@ def _run(args: argparse.Namespace, *, device: torch.device, recipes: dict[str, d
     print(notes)
 
     os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, "accuracy.png")
-    plot(results, png, eval_name,
-         f"{desc}: {eval_name} accuracy, {args.epochs} epochs, seed {args.seed}")
+    # the results first: a figure that fails to draw leaves them written
     with open(os.path.join(args.out, "table.md"), "w", encoding="utf-8") as f:
         f.write(table + "\n\n" + notes + "\n")
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
@@ -461,7 +460,13 @@ def _run(args: argparse.Namespace, *, device: torch.device, recipes: dict[str, d
                        noise_scale_init=init_noise[0], noise_scale_init_se=init_noise[1],
                        epochs=args.epochs, seed=args.seed, device=str(device), data=desc,
                        eval_on=eval_name, results=results), f, indent=1, default=str)
-    print(f"wrote {png}, table.md, results.json")
+    written = ["table.md", "results.json"]
+    if figure:
+        png = os.path.join(args.out, "accuracy.png")
+        plot(results, png, eval_name,
+             f"{desc}: {eval_name} accuracy, {args.epochs} epochs, seed {args.seed}")
+        written.insert(0, png)
+    print(f"wrote {', '.join(written)}" + ("" if figure else f" in {args.out}"))
     return results
 
 

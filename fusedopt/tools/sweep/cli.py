@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..common import (DemoError, check_option, cli_main, make_out_dir, threads_check,
+from ..common import (DemoError, check_option, cli_main, make_out_dir, plotting_available,
+                      threads_check,
                       torch_threads)
 from ..digits import load_data
 from . import training
@@ -95,6 +96,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = validate(args)
+    cfg["figure"] = plotting_available("fusedopt demo sweep")
     with torch_threads(args.threads):
         return _run(args, cfg)
 
@@ -153,12 +155,8 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
     print()
     print(notes)
 
-    png = os.path.join(args.out, "sweep.png")
-    plot_sweep(cfg, results, summary, png,
-               f"{data[5]}: to training loss {cfg['target_loss']:g} and test accuracy "
-               f"{cfg['target_accuracy']:g}, {len(cfg['seeds'])} seeds, LR tuned per batch "
-               f"({cfg['tuning']})", noise)
     total = time.perf_counter() - t_start
+    # the results first: a figure that fails to draw leaves them written
     with open(os.path.join(args.out, "sweep.md"), "w", encoding="utf-8") as f:
         f.write("\n\n".join(t for t in (tuning_table, TUNING_NOTE, runs_table, summary_table,
                                          noise_table, verdicts, notes)
@@ -167,7 +165,15 @@ def _run(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
                   tuning_time_s=t_tune)
     with open(os.path.join(args.out, "sweep.json"), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1, default=str)
-    print(f"wrote {png}, sweep.md, sweep.json (tuning {t_tune:.0f} s, total {total:.0f} s)")
+    written = ["sweep.md", "sweep.json"]
+    if cfg.get("figure", True):
+        png = os.path.join(args.out, "sweep.png")
+        plot_sweep(cfg, results, summary, png,
+                   f"{data[5]}: to training loss {cfg['target_loss']:g} and test accuracy "
+                   f"{cfg['target_accuracy']:g}, {len(cfg['seeds'])} seeds, LR tuned per batch "
+                   f"({cfg['tuning']})", noise)
+        written.insert(0, png)
+    print(f"wrote {', '.join(written)} (tuning {t_tune:.0f} s, total {total:.0f} s)")
     if not any(r["status"] == "reached" for pb in results.values() for c in pb.values()
                for r in c["runs"]):
         raise DemoError(
