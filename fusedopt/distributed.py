@@ -376,6 +376,11 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
     It also numbers each rank's params as ZeRO's param groups (those of one process) do, which
     keys the random bits of low-precision state (docs/math.md, "Random bits"), so that LAMB's
     ``v`` rounds as in one process; without it each rank numbers its own params from 0.
+
+    Without this call a step with ``max_grad_norm`` refuses, naming it, when the optimizer is
+    a ZeroRedundancyOptimizer's local optimizer. ZeRO leaves no mark on it: it is recognized as
+    built by ZeRO's ``_init_local_optimizer`` (the constructor looks at its callers), so one
+    built otherwise and handed to ZeRO is not recognized.
     """
     inner = getattr(zero_optimizer, "optim", None)
     if inner is None:
@@ -493,6 +498,13 @@ def enable_deepspeed_zero(engine) -> None:
     what is not supported: ZeRO-3 with NVMe swapping, ZenFlow, Muon or a partial offload,
     low-precision optimizer state, param groups on different data-parallel groups, ranks that
     hold no piece of some param group, elastic checkpoints.
+
+    Without this call (or after it raised) a step refuses, naming it, when DeepSpeed's
+    ZeRO-1/2 optimizer, its BF16_Optimizer or its (fused) FP16_Optimizer steps the optimizer
+    (recognized as the caller of ``step()``: they leave no mark on the flat buffer) or a param
+    is a ZeRO-3 partition (marked ``ds_id``). A step called otherwise than by DeepSpeed's
+    method (a subclass of these, another wrapper between them and ``step()`` deeper than a few
+    frames) on a ZeRO-1/2 flat buffer is not recognized.
     """
     wrapper = getattr(engine, "optimizer", engine)
     if hasattr(wrapper, "_set_partitions"):
@@ -643,7 +655,10 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     step refuses params it has not registered). Raises for ``use_orig_params=False`` (the
     optimizer then sees flat params of many tensors, and no param groups of its own), for
     modules sharded over different process groups, and for params of the optimizer that FSDP1
-    does not shard beside those it does.
+    does not shard beside those it does. With NO_SHARD alone it registers every param as whole.
+
+    Without this call a step refuses params that FSDP1 flattened (it marks them
+    ``_fsdp_flattened``, NO_SHARD's too), naming this call; so does it after this call raised.
     """
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
     if not hasattr(optimizer, "_set_keys"):
@@ -655,13 +670,14 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     keys: dict[int, int] = {}
     numels: dict[int, int] = {}
     groups = {}
-    for handle in fsdp1_handles(model):
-        if not handle.uses_sharded_strategy:
-            continue  # NO_SHARD: whole tensors on every rank
+    handles = fsdp1_handles(model)
+    for handle in handles:
         if not handle._use_orig_params:
             raise TypeError("enable_fsdp1 needs FullyShardedDataParallel(use_orig_params=True): "
                             "with use_orig_params=False the optimizer steps flat params of many "
                             "tensors, whose trust ratios cannot be per tensor")
+        if not handle.uses_sharded_strategy:
+            continue  # NO_SHARD: whole tensors on every rank
         flat = handle.flat_param
         groups[id(handle.process_group)] = handle.process_group
         for p, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
@@ -673,8 +689,11 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     if len(groups) > 1:
         raise RuntimeError("enable_fsdp1: modules sharded over different process groups are not "
                            "supported")
-    if not rows:
-        return  # nothing sharded
+    if not rows:  # nothing sharded (NO_SHARD: every param is its whole tensor), or no FSDP1
+        if handles:
+            optimizer._set_keys({}, {id(p): p.numel() for g in optimizer.param_groups
+                                     for p in g["params"]})
+        return
     if len(rows) < len(where):
         raise RuntimeError(f"enable_fsdp1: {len(where) - len(rows)} param(s) of the optimizer are "
                            "not sharded by FSDP1 (ignored modules, NO_SHARD units; pass the "

@@ -646,7 +646,7 @@ def lars(
     momentum_buffers: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     *,
-    lr: float | torch.Tensor,
+    lr: float | torch.Tensor = _L["lr"],
     masters: Sequence[torch.Tensor | None] | None = None,
     momentum: float = _L["momentum"],
     weight_decay: float = _L["weight_decay"],

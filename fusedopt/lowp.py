@@ -299,7 +299,8 @@ def encode_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     count = torch.where(level == 6, 63, 1 << level)
     mag = (1 << level) + torch.minimum(j, count - 1)
     mag = torch.where(t >= 7, torch.zeros_like(mag), mag)
-    mag = torch.where(xb.abs() == a[:, None], torch.full_like(mag, 127), mag)  # a itself
+    top = (xb.abs() == a[:, None]) & (a[:, None] > 0)
+    mag = torch.where(top, torch.full_like(mag, 127), mag)  # a itself (a block of zeros: 0)
     # to the nearest value: the part's mean is, within its decade; at a decade's edge the
     # neighbour's may be nearer
     mid = _DYNAMIC_MID.to(x.device)

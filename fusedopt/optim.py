@@ -16,7 +16,7 @@ import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
 
-from . import _checkpoint
+from . import _adapters, _checkpoint
 from . import backends as _backends
 from . import lowp
 from ._bucket import StepCache, compute_dtype, dtype_codes
@@ -144,6 +144,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._partitions: dict[int, Any] = {}  # Note [flat partitions]
         self._keys: dict[int, int] = {}  # id(param) -> its key of the random bits, where given
         self._numels: dict[int, int] = {}  # id(param) -> its whole tensor's numel, for a piece
+        self._zero_parent = _adapters.zero_parent()  # the ZeroRedundancyOptimizer building this
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
         self.state = OptimizerState(self.state)  # Note [list cache]
@@ -278,7 +279,7 @@ class _TrustRatioOptimizer(Optimizer):
             out["state"] = out["state"].plain()
         out["skip_nonfinite"] = self.skip_nonfinite
         for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys", "_numels",
-                    "_load"):
+                    "_load", "_zero_parent"):
             out.pop(key, None)
         return out
 
@@ -316,6 +317,7 @@ class _TrustRatioOptimizer(Optimizer):
         self.__dict__.setdefault("_partitions", {})
         self.__dict__.setdefault("_keys", {})
         self.__dict__.setdefault("_numels", {})
+        self.__dict__.setdefault("_zero_parent", None)
         if "skipped_steps" not in self.__dict__:
             self.skipped_steps = torch.zeros((), dtype=torch.int64)
         self._pending = None
@@ -471,6 +473,7 @@ class _TrustRatioOptimizer(Optimizer):
             raise RuntimeError(f"{type(self).__name__}: param group {gi} holds params that "
                                "enable_fsdp1 did not register (added after it?): call "
                                "fusedopt.distributed.enable_fsdp1(model, optimizer) again")
+        _adapters.check_params(self, gi, ps)  # settings that need an adapter not enabled
         sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
         if sharded and bases is not None and not self._sharded:
             self._sharded = True  # from the next step on they run eagerly (step())
@@ -805,6 +808,8 @@ class _TrustRatioOptimizer(Optimizer):
                 _unshare_lrs(self.param_groups)
         for gi, group in enumerate(self.param_groups):
             self._checked_options(gi, group)
+        if not traced:
+            _adapters.check_step(self)  # settings that need an adapter not enabled
         groups = [self._group(group) if traced else self._kept_group(gi, group)
                   for gi, group in enumerate(self.param_groups)]
         if traced:

@@ -137,7 +137,7 @@ def _quantize_dynamic(x: list[float]) -> list[float]:
     out = []
     for v in x:
         y = _f32(_f32(abs(_f32(v)) * p) * q)
-        if abs(_f32(v)) == a:
+        if abs(_f32(v)) == a and a > 0:
             mag = 127
         elif y == 0.0 or y < 8.0 ** -7:
             mag = 0

@@ -183,6 +183,37 @@ def train_counted(ctx, model, opt) -> list[dict]:
     return counts
 
 
+def refused_step(step, params, opt) -> dict:
+    """Calls ``step`` (one that must refuse: an adapter of fusedopt.distributed was not enabled):
+    ``refused``, its RuntimeError's message (None if it stepped), and ``unchanged``, whether the
+    params (local pieces) and ``opt``'s state stayed as they were."""
+    params = list(params)
+    before = [_local(p).detach().clone() for p in params]
+    state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+             for k, st in opt.state.items()}
+    try:
+        step()
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    same_state = opt.state.keys() == state.keys() and all(
+        st.keys() == opt.state[k].keys() and all(
+            torch.equal(v, opt.state[k][n]) if isinstance(v, torch.Tensor) else v == opt.state[k][n]
+            for n, v in st.items()) for k, st in state.items())
+    return dict(refused=message, unchanged=same_state and all(
+        map(torch.equal, before, (_local(p).detach() for p in params))))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def backward_once(ctx, model):
+    """This rank's rows of the first global batch, forward and backward."""
+    x, y = batch(0)
+    loss_fn(model, local_rows(x, ctx["rank"]), local_rows(y, ctx["rank"])).backward()
+
+
 # ---------------------------------------------------------------------------------- scenarios
 def fsdp2_model(mesh):
     from torch.distributed.fsdp import fully_shard
@@ -351,17 +382,29 @@ def _rows_run(ctx, kind, kw, backend, dtype):
                 p.copy_(v if mesh is None else distribute_like(v, p))
         return model, make_opt(kind, rows_groups(model), options, backend)
 
-    def train(model, opt, steps):
+    def train(model, opt, steps, record=None):
         for s in steps:
             x, y = rows_batch(s, dtype)
             if hasattr(model.a.weight, "device_mesh") and model.a.weight.device_mesh.size() > 1:
                 x, y = local_rows(x, ctx["rank"]), local_rows(y, ctx["rank"])
             opt.zero_grad()
             loss_fn(model, x, y).backward()
+            if record is not None:
+                record.append([full(p.grad).clone() for p in model.parameters()])
             opt.step()
         return [full(p).detach().clone() for p in model.parameters()]
 
     return make, train
+
+
+def replay(model, opt, recorded) -> list[torch.Tensor]:
+    """Steps ``opt`` (of a model in one process) with the whole gradients ``recorded`` by
+    ``train(..., record=)`` of a sharded run: the params after the steps."""
+    for grads in recorded:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def distribute_like(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -377,8 +420,9 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     params of ``dtype`` (bf16: with master weights): training against one process with 8-bit
     state; a torch.distributed.checkpoint save mid-run loaded into a new optimizer on the same
     mesh (continuing bit for bit), on a mesh of one rank per process and in one process without
-    DTensors; that process's state dict set into shards again, also in the packed form of older
-    versions (each compared with the saved state, gathered)."""
+    DTensors; that process's state dict set into shards again
+    (each compared with the saved state, gathered); one process stepped with the
+    sharded run's whole gradients (its codes and params compared)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -394,7 +438,8 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     whole = StateDictOptions(full_state_dict=True)
     make, train = _rows_run(ctx, base[0], kw, backend, getattr(torch, dtype))
     model, opt = make(ctx["mesh"])
-    train(model, opt, range(2))
+    recorded = []
+    train(model, opt, range(2), recorded)
     saved_params = [full(p).detach().clone() for p in model.parameters()]
     path = os.path.join(ctx["out_dir"], f"ckpt-8bit-{kind}-{backend}-{dtype}")
     dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
@@ -404,7 +449,7 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
                state_dtypes={n: str(st[key].dtype) for n, st in gathered["state"].items()},
                masters=sorted({type(st["master_param"]).__name__ for st in opt.state.values()
                                if "master_param" in st}))
-    a = train(model, opt, range(2, 4))
+    a = train(model, opt, range(2, 4), recorded)
 
     def loaded(mesh):
         m, o = make(mesh, params=saved_params)
@@ -436,6 +481,14 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     out["err_one_process"] = rel_err(a, ref)
     out["err_8bit_vs_full"] = rel_err(ref, train(*make(None, dict(kw, state_precision="full")),
                                                 range(4)))
+    m4, o4 = make(None)
+    out["err_replayed"] = rel_err(a, replay(m4, o4, recorded))
+    final = get_optimizer_state_dict(model, opt, options=whole)["state"]
+    alone = get_optimizer_state_dict(m4, o4, options=whole)["state"]
+    codes = [(full(v), alone[n][k]) for n, st in final.items() for k, v in st.items()
+             if v.dtype == torch.uint8 and not k.endswith("_blocks")]
+    out["replayed_codes_differ"] = (sum(int((a != b).sum()) for a, b in codes)
+                                    / sum(a.numel() for a, _ in codes))
     return out
 
 
@@ -677,7 +730,8 @@ def scenario_flat_group(ctx):
 
 
 def scenario_zero(ctx, name: str, backend: str, enable: bool = True):
-    """ZeroRedundancyOptimizer(optimizer_class=FusedLAMB/LARS) over a DDP model == one process."""
+    """ZeroRedundancyOptimizer(optimizer_class=FusedLAMB/LARS) over a DDP model == one process;
+    without enable_zero_global_clipping a step with max_grad_norm refuses (refused_step)."""
     import fusedopt
     from fusedopt.distributed import enable_zero_global_clipping
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -689,6 +743,9 @@ def scenario_zero(ctx, name: str, backend: str, enable: bool = True):
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, backend=backend, **kw)
     if enable:
         enable_zero_global_clipping(opt)
+    else:  # max_grad_norm: each rank would clip by its own part of the norm
+        backward_once(ctx, model)
+        return refused_step(opt.step, model.parameters(), opt.optim)
     owned = len([p for g in opt.optim.param_groups for p in g["params"]])
     counts = train_counted(ctx, model, opt)
     ref = train_reference(kind, kw, False, backend)
@@ -789,7 +846,8 @@ def fsdp1_model():
 
 def _fsdp1_run(ctx, kind, kw, exclude, backend, enable=True):
     """Trains fsdp1_model() (groups by fusedopt.param_groups, which sees each piece's own
-    shape); returns the full params and the collectives of each step."""
+    shape); returns the full params and the collectives of each step. Without enable_fsdp1:
+    refused_step of the first step."""
     import fusedopt
     from fusedopt.distributed import enable_fsdp1
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -798,8 +856,10 @@ def _fsdp1_run(ctx, kind, kw, exclude, backend, enable=True):
     params = (fusedopt.param_groups(model, weight_decay=kw["weight_decay"]) if exclude
               else list(model.parameters()))
     opt = make_opt(kind, params, kw, backend)
-    if enable:
-        enable_fsdp1(model, opt)
+    if not enable:
+        backward_once(ctx, model)
+        return refused_step(opt.step, model.parameters(), opt)
+    enable_fsdp1(model, opt)
     counts = train_counted(ctx, model, opt)
     with FSDP.summon_full_params(model):
         return [p.detach().clone() for p in model.parameters()], counts, opt
@@ -807,14 +867,13 @@ def _fsdp1_run(ctx, kind, kw, exclude, backend, enable=True):
 
 def scenario_fsdp1(ctx, name: str, backend: str):
     """FSDP1 (use_orig_params=True) with enable_fsdp1 == one process with the same global batch;
-    without it, each rank's pieces of a tensor get trust ratios (and clipping totals) of their
-    own."""
+    without it (each rank's pieces of a tensor would get trust ratios, and clipping totals, of
+    their own) the step refuses."""
     kind, kw, exclude = OPT_CASES[name]
     got, counts, opt = _fsdp1_run(ctx, kind, kw, exclude, backend)
     ref = train_reference(kind, kw, exclude, backend)
-    unsynced = _fsdp1_run(ctx, kind, kw, exclude, backend, enable=False)[0]
-    return dict(err=rel_err(got, ref), err_without=rel_err(unsynced, ref), collectives=counts,
-                groups=[len(g["params"]) for g in opt.param_groups])
+    return dict(err=rel_err(got, ref), without=_fsdp1_run(ctx, kind, kw, exclude, backend, False),
+                collectives=counts, groups=[len(g["params"]) for g in opt.param_groups])
 
 
 def scenario_fsdp1_low_precision(ctx, kind: str, backend: str):
@@ -999,22 +1058,32 @@ def scenario_fsdp1_scaler_skip_accumulate(ctx, backend: str):
 
 def scenario_fsdp1_refusals(ctx, backend: str):
     """use_orig_params=False (flat params of many tensors) is refused, naming the option, and so
-    are params that FSDP1 leaves whole (an ignored module) beside its pieces."""
+    are params that FSDP1 leaves whole (an ignored module) beside its pieces; the step refuses
+    after either, and under NO_SHARD until enable_fsdp1 registers its whole params."""
     import fusedopt
     from fusedopt.distributed import enable_fsdp1
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    from torch.distributed.fsdp import ShardingStrategy
+
     out = {}
-    for case in ("flat", "ignored"):
+    for case in ("flat", "ignored", "no_shard"):
         inner = make_model()
-        model = FSDP(inner, device_id=torch.device("cpu"), use_orig_params=case == "ignored",
-                     ignored_modules=[inner[6]] if case == "ignored" else None)
+        model = FSDP(inner, device_id=torch.device("cpu"), use_orig_params=case != "flat",
+                     ignored_modules=[inner[6]] if case == "ignored" else None,
+                     sharding_strategy=(ShardingStrategy.NO_SHARD if case == "no_shard"
+                                        else ShardingStrategy.FULL_SHARD))
         opt = fusedopt.FusedLAMB(model.parameters(), lr=1e-2, backend=backend)
+        backward_once(ctx, model)
+        if case == "no_shard":  # FSDP1 marks NO_SHARD's params too: refused until enabled
+            out["no_shard_without"] = refused_step(opt.step, model.parameters(), opt)
         try:
             enable_fsdp1(model, opt)
             out[case] = None
         except (TypeError, RuntimeError) as e:
             out[case] = f"{type(e).__name__}: {e}"
+        # the step after a refused enable_fsdp1 refuses too; after one that passed, it steps
+        out[case + "_step"] = refused_step(opt.step, model.parameters(), opt)
     return out
 
 

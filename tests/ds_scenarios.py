@@ -114,10 +114,33 @@ def apart(init, ref, got) -> float:
                for i, r, g in zip(init, ref, got))
 
 
+def refused_without(ctx, engine, opt, data=None) -> dict:
+    """One training step of ``engine`` that must refuse (enable_deepspeed_zero not called, or
+    refused): ``refused``, the RuntimeError's message (None if it stepped), and ``unchanged``,
+    whether the flat partitions and the optimizer's state stayed as they were."""
+    before = [t.clone() for t in flat_partitions(engine)]
+    state = {k: {n: v.clone() for n, v in st.items() if isinstance(v, torch.Tensor)}
+             for k, st in opt.state.items()}
+    try:
+        train(ctx, engine, 1, data=data)
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    same_state = opt.state.keys() == state.keys() and all(
+        torch.equal(v, opt.state[k][n]) for k, st in state.items() for n, v in st.items())
+    return dict(refused=message, unchanged=same_state and all(
+        map(torch.equal, before, flat_partitions(engine))))
+
+
 def matches(ctx, kind, backend, stage, gas=1, offload=False, disabled_too=True):
+    """Trained with enable_deepspeed_zero, against one process (``enabled``: apart()); without
+    it (``disabled_too``), refused_without."""
     init, ref = reference(kind, backend, STEPS)
     out = {}
-    for enable in (True, False) if disabled_too else (True,):
+    if disabled_too:
+        engine, opt = engine_for(kind, backend, config(stage, gas, offload=offload), enable=False)
+        out["disabled"] = refused_without(ctx, engine, opt)
+    for enable in (True,):
         engine, opt = engine_for(kind, backend, config(stage, gas, offload=offload), enable=enable)
         calls = []  # the gloo collectives of each call of the fusedopt optimizer's step
         step = opt.step
@@ -129,9 +152,8 @@ def matches(ctx, kind, backend, stage, gas=1, offload=False, disabled_too=True):
 
         opt.step = counted
         train(ctx, engine, STEPS)
-        out["enabled" if enable else "disabled"] = apart(init, ref, engine.module.parameters())
-        if enable:
-            out["collectives"] = [dict(c) for c in calls]
+        out["enabled"] = apart(init, ref, engine.module.parameters())
+        out["collectives"] = [dict(c) for c in calls]
     return out
 
 
@@ -174,12 +196,12 @@ def bert(ctx, kind, backend, stage):
     names = [n for n, _ in make_bert().named_parameters()]
     keep = [i for i, n in enumerate(names) if NOISE_ONLY not in n]
     out = {"tensors": len(names), "compared": len(keep)}
-    for enable in (True, False):
-        engine, _ = engine_for(kind, backend, config(stage), enable=enable, model_of=make_bert)
-        train(ctx, engine, STEPS, data=bert_batch)
-        got = list(engine.module.parameters())
-        out["enabled" if enable else "disabled"] = apart(
-            [init[i] for i in keep], [ref[i] for i in keep], [got[i] for i in keep])
+    engine, opt = engine_for(kind, backend, config(stage), enable=False, model_of=make_bert)
+    out["disabled"] = refused_without(ctx, engine, opt, data=bert_batch)
+    engine, _ = engine_for(kind, backend, config(stage), model_of=make_bert)
+    train(ctx, engine, STEPS, data=bert_batch)
+    got = list(engine.module.parameters())
+    out["enabled"] = apart([init[i] for i in keep], [ref[i] for i in keep], [got[i] for i in keep])
     return out
 
 
@@ -191,8 +213,9 @@ def same_grads(ctx, kind, backend, stage):
     float32 rounding."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    out = {}
-    for enable in (True, False):
+    engine, opt = engine_for(kind, backend, config(stage, bf16=True), enable=False)
+    out = {"disabled": refused_without(ctx, engine, opt, data=lambda s: batch(s, torch.bfloat16))}
+    for enable in (True,):
         engine, _ = engine_for(kind, backend, config(stage, bf16=True), enable=enable)
         params = list(engine.module.parameters())
         ref_model = make_model()
@@ -213,7 +236,7 @@ def same_grads(ctx, kind, backend, stage):
             ref_opt.step()
             worst = max(worst, apart(init, [q.detach() for q in ref_model.parameters()],
                                      [safe_get_full_fp32_param(p) for p in params]))
-        out["enabled" if enable else "disabled"] = worst
+        out["enabled"] = worst
     return out
 
 
@@ -290,14 +313,19 @@ def flat_partitions(engine) -> list:
 
 def refusals(ctx, backend):
     """What enable_deepspeed_zero and a step refuse, and that a refused step changes nothing."""
+    import fusedopt.distributed
+
     out = {}
     for name, extra in (("max_grad_norm", dict(max_grad_norm=1.0)),
                         ("state_precision", dict(state_precision="8bit", state_min_numel=0))):
+        engine, opt = engine_for("lamb", backend, config(2), enable=False, **extra)
         try:
-            engine_for("lamb", backend, config(2), **extra)
+            fusedopt.distributed.enable_deepspeed_zero(engine)
             out[name] = "accepted"
         except (ValueError, RuntimeError, TypeError) as e:
             out[name] = f"{type(e).__name__}: {e}"
+        # carrying on after the refusal: the step refuses too
+        out[name + "_step"] = refused_without(ctx, engine, opt)
     engine, opt = engine_for("lamb", backend, config(2))
     train(ctx, engine, 1)
     before = [(g["params"][0].clone(), {k: v.clone() for k, v in opt.state[g["params"][0]].items()})

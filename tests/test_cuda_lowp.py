@@ -463,11 +463,6 @@ def test_special_gradients(emu, kind, hyper):
     assert all(w0 > 0 for w0, _ in words)  # decaying, not yet 0
 
 
-@pytest.mark.xfail(strict=True, reason="q8_dynamic_code (csrc/fusedopt/math.h) and "
-                   "lowp.encode_dynamic code a block of zeros (a = 0) as nonzero magnitudes "
-                   "(|x| = a gives 127, then y = 0 < M[126] moves it to 126), where docs/math.md "
-                   "(\"8-bit\") stores codes 0; the CUDA kernels store the cpp backend's bytes "
-                   "either way")
 def test_a_lars_block_of_zeros_stores_codes_0(emu):
     """docs/math.md: "A block of zeros stores w0 = 0 and codes 0. All-zero state (every byte 0)
     is the state of a fresh param": a LARS step with zero grads and no weight decay leaves an

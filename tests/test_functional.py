@@ -251,4 +251,4 @@ def test_functional_defaults_are_the_classes():
         c_params = inspect.signature(cls).parameters
         for name, value in table.items():
             assert f_params[name].default == value == c_params[name].default, (fn, name)
-        assert (f_params["lr"].default is inspect.Parameter.empty) == (cls is fusedopt.FusedLARS)
+        assert "lr" in table, (fn, "lr")

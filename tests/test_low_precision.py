@@ -157,6 +157,30 @@ def test_dynamic_map_round_trip_error_is_bounded():
     assert torch.equal(torch.sign(back[back != 0]), torch.sign(x[back != 0]))
 
 
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp", "triton")))
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_blocks_of_zeros_store_codes_0(kind, backend):
+    """docs/math.md ("8-bit"): a block of zeros stores codes 0 and w0 = 0 in each map, beside a
+    nonzero block (LARS's dynamic map once coded such a block's largest |x| = 0 as 127, then
+    moved it to 126); a fresh param's zero grads leave its state every byte 0 but LAMB's ε."""
+    p = torch.nn.Parameter(torch.ones(2, 256))
+    opt = _opt(kind, [p], backend, "8bit", weight_decay=0.0, state_min_numel=0)
+    for row in (0, 1):
+        p.grad = torch.zeros_like(p)
+        p.grad[1] = row  # first all zeros, then a nonzero second block
+        opt.step()
+        saved = opt.state_dict()["state"][0]
+        keys = [k for k in saved if k != "step" and not k.endswith("_blocks")]
+        assert keys
+        for key in keys:
+            codes, words = saved[key], saved[key + "_blocks"]
+            assert codes.shape == (2, 256) and words.shape == (2, 1, 8)
+            assert not codes[0].any() and not words[0, 0, :4].any(), key
+            if key != "exp_avg":  # the direction's w1 is ε
+                assert not words[0].any(), key
+            assert bool(codes[1].any()) == bool(row) == bool(words[1, 0, :4].any()), key
+
+
 def test_bf16_rounding_bounds():
     gen = torch.Generator().manual_seed(3)
     v = _spread(10000, gen, decades=20).abs()

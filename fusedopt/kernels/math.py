@@ -413,7 +413,8 @@ def q8_dynamic_code(x, p, q, top):
     j = tl.where(j < count - 1, j, count - 1)
     mag = (1 << level) + j
     mag = tl.where(e < 106, 0, mag)  # y < 2^-21 = 8^-7
-    mag = tl.where(xb == top, 127, mag)  # the block's largest |x| itself (y may round below 1)
+    # the block's largest |x| itself (y may round below 1); a block of zeros stores 0
+    mag = tl.where((xb == top) & (top != 0), 127, mag)
     # to the nearest value: M[lo] = M[mag - 1] below mag, M[hi] = M[mag] above it (the same
     # midpoint at either end of the map, where only one neighbour exists)
     lo = tl.where(mag >= 1, mag - 1, 0)
