@@ -459,7 +459,8 @@ FUSEDOPT_HD int q8_dynamic_code(float x, Scaling s, unsigned int top,
   j = j < count - 1 ? j : count - 1;
   int mag = (1 << level) + j;
   mag = e < 106 ? 0 : mag;  // y < 2^-21 = 8^-7
-  mag = xb == top ? 127 : mag;  // the block's largest |x| itself (y may round below 1)
+  // the block's largest |x| itself (y may round below 1); a block of zeros stores 0
+  mag = (xb == top) & (top != 0u) ? 127 : mag;
   // to the nearest value (mid[c]: between c and c + 1): the part's mean is, within its decade;
   // at a decade's edge the neighbour's may be nearer
   const int down = (mag >= 1) & (y < mid[mag >= 1 ? mag - 1 : 0]);
