@@ -16,13 +16,16 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 HERE = os.path.dirname(os.path.abspath(__file__))
 ERRORS = os.path.join(HERE, "fusedopt", "_build_errors.txt")
 # -fno-math-errno: GCC vectorizes sqrt only without errno (LAMB ran 4-6x slower without it).
+# -fno-trapping-math: a loop of selects between float operations is if-converted (vectorized)
+# without AVX-512's masks too; every operation still rounds as IEEE 754 says (the default rounding
+# mode is assumed either way).
 # -ffp-contract=off: no FMA contraction, so the ISA clones of the CPU kernels agree bit for bit
 # (Note [ISA clones] in csrc/cpu/multi_tensor.h). C++20 as torch 2.13 builds its extensions.
 # -g0 overrides the -g of Python's build flags: the debug info of the kernels' many template
 # instances is most of the object and of its compile time, and never changes the code
 # (docs/performance.md, "Building").
-CXX_FLAGS = ["-O3", "-g0", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
-             "-fvisibility=hidden", "-std=c++20"]
+CXX_FLAGS = ["-O3", "-g0", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+             "-fopenmp", "-fvisibility=hidden", "-std=c++20"]
 
 
 def want_cuda() -> bool:

@@ -128,9 +128,10 @@ MUTATIONS = [
         "decade)"),
     Mutation(
         "q8_dynamic_mids", "cuda/lowp.cuh",
-        "else if (i < kDynamicValues) t.mid[i - 128] = q8_dynamic_mid(i - 128);",
-        "else if (i < kDynamicValues - 1) t.mid[i - 128] = q8_dynamic_mid(i - 128);",
-        "the dynamic map's midpoints without the last (between the two largest magnitudes)"),
+        "else if (i < kDynamicValues) t.thr[i - 128] = q8_dynamic_threshold(i - 128);",
+        "else if (i < kDynamicValues - 2) t.thr[i - 128] = q8_dynamic_threshold(i - 128);",
+        "the dynamic map's thresholds without the last two (the midpoint between the two "
+        "largest magnitudes, and the end)"),
     Mutation(
         "lars_rounded_step", "cuda/lars.cu",
         "wr[k] = lars_step<float>(wr[k], d, vk, sc.c);",

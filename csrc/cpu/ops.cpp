@@ -390,7 +390,7 @@ FUSEDOPT_INLINE RootWords root_words(unsigned int top, unsigned int low) {
   return {top, q8_root_shift(top, low == 0xffffffffu ? top : low), true};
 }
 
-// V[mag] of the dynamic map and the midpoints between neighbours (Note [8-bit maps]), made once.
+// V[mag] of the dynamic map and the thresholds of q8_dynamic_code (Note [8-bit maps]), made once.
 const float* dynamic_units() {
   static const auto table = [] {
     std::array<float, 128> t{};
@@ -400,10 +400,10 @@ const float* dynamic_units() {
   return table.data();
 }
 
-const float* dynamic_mids() {
+const float* dynamic_thresholds() {
   static const auto table = [] {
-    std::array<float, 127> t{};
-    for (int c = 0; c < 127; ++c) t[c] = q8_dynamic_mid(c);
+    std::array<float, kDynamicThresholds> t{};
+    for (int c = 0; c < kDynamicThresholds; ++c) t[c] = q8_dynamic_threshold(c);
     return t;
   }();
   return table.data();
@@ -619,7 +619,7 @@ FUSEDOPT_INLINE void lars_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
   alignas(64) float old[kBlock];
   alignas(64) int ci[kBlock];
   const float* __restrict__ units = dynamic_units();
-  const float* __restrict__ mids = dynamic_mids();
+  const float* __restrict__ thresholds = dynamic_thresholds();
   for (int64_t b = 0; b < n; b += kBlock) {
     const int len = static_cast<int>(std::min(kBlock, n - b));
     unsigned int* words = v.words + 2 * (b / kQBlock);
@@ -642,7 +642,7 @@ FUSEDOPT_INLINE void lars_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
     const Scaling sc = q8_scaling(t.top, 1.0f);
     if (t.finite) {
 #pragma omp simd
-      for (int k = 0; k < len; ++k) ci[k] = q8_dynamic_code(vb[k], sc, float_bits(t.top), mids);
+      for (int k = 0; k < len; ++k) ci[k] = q8_dynamic_code(vb[k], sc, float_bits(t.top), thresholds);
       for (int k = 0; k < len; ++k) vc[k] = static_cast<int8_t>(ci[k]);
     } else {
       std::memset(vc, 0, static_cast<size_t>(len));

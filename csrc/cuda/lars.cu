@@ -217,7 +217,7 @@ struct LarsPass2 {
 #pragma unroll
       for (int k = 0; k < L; ++k) {
         // a block that is not finite stores codes 0 (read as 0 * NaN)
-        vc[k] = static_cast<signed char>(finite ? q8_dynamic_code(vr[k], s, top[0], tables.mid)
+        vc[k] = static_cast<signed char>(finite ? q8_dynamic_code(vr[k], s, top[0], tables.thr)
                                                 : 0);
       }
       store_codes(buf.codes, vc, off, n, vec8 && whole);

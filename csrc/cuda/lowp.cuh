@@ -207,15 +207,15 @@ __device__ __forceinline__ void lane_root_words(float s, unsigned int (&x)[2]) {
 }
 
 // The dynamic map's tables (Note [8-bit maps]) for every thread of the block, in shared memory:
-// V[mag] and the midpoints M[c] between neighbours, which fill_dynamic_tables writes (threads
-// 0..254, one value each, with q8_dynamic_unit and q8_dynamic_mid themselves, so the values are
+// V[mag] and the thresholds of q8_dynamic_code, which fill_dynamic_tables writes (threads
+// 0..256, one value each, with q8_dynamic_unit and q8_dynamic_threshold themselves, so the values are
 // those of the host's tables bit for bit); they may be read after the next __syncthreads of the
 // block. Shared memory, not constant memory: the lanes of a warp read different entries.
 struct DynamicTables {
   float unit[128];  // V[mag], mag = 0..127
-  float mid[127];   // M[c] = (V[c] + V[c + 1]) * 0.5, c = 0..126
+  float thr[kDynamicThresholds];  // the midpoint below c, c = 0..128 (0 and +inf at the ends)
 };
-constexpr int kDynamicValues = 128 + 127;
+constexpr int kDynamicValues = 128 + kDynamicThresholds;
 static_assert(kBlockSize >= kDynamicValues, "one thread per value of the dynamic map's tables");
 
 __device__ __forceinline__ DynamicTables& dynamic_tables() {
@@ -227,7 +227,7 @@ __device__ __forceinline__ void fill_dynamic_tables() {
   const int i = static_cast<int>(threadIdx.x);
   DynamicTables& t = dynamic_tables();
   if (i < 128) t.unit[i] = q8_dynamic_unit(i);
-  else if (i < kDynamicValues) t.mid[i - 128] = q8_dynamic_mid(i - 128);
+  else if (i < kDynamicValues) t.thr[i - 128] = q8_dynamic_threshold(i - 128);
 }
 
 }  // namespace cuda

@@ -437,12 +437,12 @@ FUSEDOPT_HD float q8_root_value(int c, unsigned int top, int sh) {
 // Dynamic map of base 8 (LARS's buffer): with y = (|x|*P)*q, q = 1/(a*P), the magnitude is 127
 // for |x| = a (top: its bit pattern), 0 below 8^-7, else 2^L + j in the decade t = (126 - E)/3
 // below the top (E the biased exponent of y), L = 6 - t, then moved to the neighbour whose value
-// is nearer to y where one is (mid: the table of q8_dynamic_mid); the value of a magnitude is
-// V[mag] * a.
+// is nearer to y where one is (thr: the table of q8_dynamic_threshold); the value of a magnitude
+// is V[mag] * a.
 // Written without branches (selects only), so that the host loops over a block vectorize: a
 // branch on the sign alone would be mispredicted half of the time.
 FUSEDOPT_HD int q8_dynamic_code(float x, Scaling s, unsigned int top,
-                                const float* __restrict__ mid) {
+                                const float* __restrict__ thr) {
   const unsigned int xb = float_bits(x) & 0x7fffffffu;
   const float y = mul_rn(mul_rn(bits_float(xb), s.p), s.q);
   const unsigned int yb = float_bits(y);
@@ -460,12 +460,14 @@ FUSEDOPT_HD int q8_dynamic_code(float x, Scaling s, unsigned int top,
   int mag = (1 << level) + j;
   mag = e < 106 ? 0 : mag;  // y < 2^-21 = 8^-7
   // the block's largest |x| itself (y may round below 1); a block of zeros stores 0
-  mag = (xb == top) & (top != 0u) ? 127 : mag;
-  // to the nearest value (mid[c]: between c and c + 1): the part's mean is, within its decade;
-  // at a decade's edge the neighbour's may be nearer
-  const int down = (mag >= 1) & (y < mid[mag >= 1 ? mag - 1 : 0]);
-  const int up = (mag <= 126) & (y >= mid[mag <= 126 ? mag : 126]);
-  mag = mag - down + up;
+  // (an or of masks: a select there reaches the gather's addresses as 64-bit offsets, which GCC
+  // does not vectorize)
+  mag |= -(static_cast<int>(xb == top) & static_cast<int>(top != 0u)) & 127;
+  // to the nearest value: the part's mean is, within its decade; at a decade's edge the
+  // neighbour's may be nearer. thr[c] is the midpoint between c - 1 and c, 0 for c = 0 and +inf
+  // for c = 128, so that neither end needs a test of mag (GCC vectorizes neither a gather by a
+  // selected index nor an & of a float and an int comparison).
+  mag = mag - static_cast<int>(y < thr[mag]) + static_cast<int>(y >= thr[mag + 1]);
   return x < 0.0f ? -mag : mag;
 }
 
@@ -486,6 +488,15 @@ FUSEDOPT_HD float q8_dynamic_unit(int mag) {
 
 FUSEDOPT_HD float q8_dynamic_mid(int c) {
   return mul_rn(add_rn(q8_dynamic_unit(c), q8_dynamic_unit(c + 1)), 0.5f);
+}
+
+// The thresholds of q8_dynamic_code, c = 0..128: q8_dynamic_mid(c - 1), 0 at 0 and +inf at 128.
+constexpr int kDynamicThresholds = 129;
+
+FUSEDOPT_HD float q8_dynamic_threshold(int c) {
+  if (c <= 0) return 0.0f;
+  if (c >= 128) return bits_float(kInfBits);
+  return q8_dynamic_mid(c - 1);
 }
 
 FUSEDOPT_HD float q8_dynamic_value(int code, float a, const float* __restrict__ unit) {
