@@ -200,6 +200,37 @@ def test_bf16_stores_one_nan():
         assert lowp.write_bf16(x, bits)[0].view(torch.int16).tolist() == [0x7FC0] * 4
 
 
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_a_loaded_nan_is_stored_alike_by_every_backend(kind):
+    """bf16 state loaded with NaNs of other encodings (0xffff, a payload, a negative one) and a
+    NaN gradient: after a step every backend stores the same bytes, each NaN as 0x7fc0."""
+    backends = [b.values[0] for b in backend_params(("eager", "cpp", "triton"))
+                if not b.marks[0].args[0]]  # those that run here (backend_mark's condition)
+    out = {}
+    for backend in backends:
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(300, generator=gen))
+        opt = _opt(kind, [p], backend, "bf16", state_min_numel=0)
+        p.grad = torch.randn(300, generator=gen)
+        opt.step()
+        st = opt.state[p]
+        for key in (k for k in st if k != "step"):
+            raw = st[key].view(torch.int16)
+            raw[:3] = torch.tensor([-1, 0x7FC1, -0x40], dtype=torch.int16)  # 0xffff, 0xffc0
+        p.grad[10] = float("nan")
+        opt.step()
+        out[backend] = {k: v.view(torch.int16).clone() for k, v in st.items() if k != "step"}
+        for key, raw in out[backend].items():
+            nan = raw.view(torch.bfloat16).isnan()
+            assert nan[:3].all() and nan[10], (backend, key)
+            assert (raw[nan] == 0x7FC0).all(), (backend, key, raw[nan].unique())
+    first = out[backends[0]]
+    for backend in backends[1:]:
+        for key, raw in first.items():
+            assert torch.equal(out[backend][key], raw), (backend, key)
+    assert len(backends) >= 2, backends
+
+
 def _root_draws(v, t):
     bits = lowp.random_bits(torch.tensor(float(t)), 0, v.numel())
     return _root(lowp.sqrt_rn(v), bits)[2]
