@@ -162,6 +162,43 @@ def test_lars_lr_may_be_given_per_group_and_defaults_to_sgds():
     assert fusedopt.FusedLARS(ps).param_groups[0]["lr"] == torch.optim.SGD(ps).param_groups[0]["lr"]
 
 
+_SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=2),
+    "LinearLR + ExponentialLR": lambda o: torch.optim.lr_scheduler.ChainedScheduler([
+        torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=5),
+        torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.95)]),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20),
+}
+
+
+@pytest.mark.parametrize("scheduler", list(_SCHEDULERS))
+@pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_a_group_with_its_own_lr_under_a_scheduler_goes_downhill(kind, backend, scheduler):
+    """The shape of torch's generic optimizer check: the class's default lr for one group, a
+    lr of 0.01 for the other, 20 steps of a closure under a scheduler; the loss falls (it needs
+    no lr of the caller: FusedLARS(params) constructs as torch.optim.SGD(params) does)."""
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(10, 5)), torch.nn.Parameter(torch.randn(10))
+    x = torch.randn(5)
+    cls = fusedopt.FusedLAMB if kind == "lamb" else fusedopt.FusedLARS
+    opt = cls([{"params": [weight]}, {"params": [bias], "lr": 0.01}], backend=backend)
+    sched = _SCHEDULERS[scheduler](opt)
+
+    def closure():
+        opt.zero_grad()
+        loss = (weight.mv(x) + bias).pow(2).sum()
+        loss.backward()
+        return loss
+
+    first = closure().item()
+    for _ in range(20):
+        loss = opt.step(closure)
+        sched.step(loss) if scheduler == "ReduceLROnPlateau" else sched.step()
+    assert closure().item() < first
+
+
 def _state_of(opt, params, keys):
     return [[opt.state[p][k].clone() for k in keys] for p in params]
 
