@@ -13,6 +13,13 @@ try:
 except ImportError:
     pass
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="the exhaustive build tier: every Triton specialization "
+                          "(tests/test_triton_compile.py), not the sample (docs/triton_kernels.md, "
+                          "\"Two tiers\"); .ci/run adds it after the README's test command")
+
+
 # Two xdist workers share the machine's cores: one intra-op thread each avoids oversubscribed
 # OpenMP regions (tests that are about threads set their own counts).
 if os.environ.get("PYTEST_XDIST_WORKER"):

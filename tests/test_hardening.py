@@ -84,14 +84,37 @@ def test_lr_tensor_of_one_element_any_shape_runs_alike(kind, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_float64_params_take_values_that_overflow_float32(kind, backend):
-    """What float32 math refuses (BAD_INPUTS: weight_decay=1e300, momentum=1e39), float64
-    params take, and a value that underflows float32 runs in float64."""
-    opt, _ = two_group_optimizer(kind, backend, dtype=torch.float64)
-    opt.param_groups[1]["weight_decay"] = 1e-300
-    opt.step()
+    """What float32 math refuses (a weight_decay of 1e40, beyond float32; LAMB's eps=1e-300,
+    below its smallest normal), float64 params take: the same edit of a float32 optimizer's later
+    group raises and changes nothing, a float64 one steps to finite params; LARS's momentum=1e39
+    gives float64's buffer, 1e39·b + d, bit for bit."""
+    edits = [("weight_decay", 1e40)] + ([("eps", 1e-300)] if kind == "lamb" else [])
+    for name, value in edits:
+        opt32, groups32 = two_group_optimizer(kind, backend)
+        opt32.param_groups[1][name] = value
+        before = snapshot([opt32])
+        with pytest.raises(ValueError, match=name):
+            opt32.step()
+        assert not changed(before, snapshot([opt32]))
+        opt, groups = two_group_optimizer(kind, backend, dtype=torch.float64)
+        opt.param_groups[1][name] = value
+        old = [p.detach().clone() for g in groups for p in g]
+        opt.step()
+        new = [p.detach() for g in groups for p in g]
+        assert all(torch.isfinite(p).all() for p in new), value
+        assert not torch.equal(old[2], new[2]), value  # the edited group stepped
     if kind == "lars":
-        CLS[kind]([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))], lr=0.1,
-                  momentum=1e39, backend=backend)
+        with pytest.raises(ValueError, match="momentum"):
+            CLS[kind]([torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=1e39,
+                      backend=backend)
+        p = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+        opt = CLS[kind]([p], lr=1.0, momentum=1e39, weight_decay=0.0, adapt=False,
+                        backend=backend)
+        grads = [torch.randn(3, dtype=torch.float64) for _ in range(2)]
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        assert torch.equal(opt.state[p]["momentum_buffer"], grads[0] * 1e39 + grads[1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

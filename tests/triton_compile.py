@@ -607,6 +607,32 @@ def table(specs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def in_sample(s: dict) -> bool:
+    """The sample the README's test command compiles (docs/triton_kernels.md, "Two tiers"):
+    the specializations of 16-byte aligned tables whose params and grads (or whose one tensor
+    dtype) agree. It keeps every kernel, architecture, state format, master and compute dtype
+    (tests/test_triton_compile.py checks it); the full set adds the other layouts and the mixed
+    dtypes."""
+    a = {k: v.split(" ")[0] for k, v in s["args"].items()}
+    return a.get("ALIGNED") == "True" and a.get("G_DTYPE", a.get("P_DTYPE")) == a.get(
+        "P_DTYPE", a.get("G_DTYPE"))
+
+
+def sample_missing(specs: list) -> list[str]:
+    """The values of the code-selecting constexprs (dtypes, masters, state formats) that some
+    specialization of a kernel and architecture has and none of its sample has."""
+    def values(ss):
+        out = defaultdict(set)
+        for s in ss:
+            for k, v in s["args"].items():
+                if k.isupper() and k != "ALIGNED":
+                    out[(s["name"], s["arch"], k)].add(v.split(" ")[0])
+        return out
+    every, sample = values(specs), values([s for s in specs if in_sample(s)])
+    return sorted(f"{name} sm_{arch} {k}={v}" for (name, arch, k), vs in every.items()
+                  for v in vs - sample.get((name, arch, k), set()))
+
+
 def _jsonable(s: dict) -> dict:
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in s.items() if k != "compile"}
 
@@ -622,6 +648,9 @@ def main(argv=None) -> int:
     ap.add_argument("--where", action="append", default=[], metavar="ARG=VALUE",
                     help="compile only the specializations with this argument value, or without "
                          "it (ARG!=VALUE); kernel=NAME for a kernel; repeatable")
+    ap.add_argument("--sample", action="store_true",
+                    help="compile only the sample (in_sample): the specializations of aligned "
+                         "tables whose params and grads share a dtype")
     ap.add_argument("--count", action="store_true", help="count the specializations only")
     ap.add_argument("--table", action="store_true", help="print the markdown table")
     ap.add_argument("--json", metavar="PATH", help="write every result as JSON")
@@ -635,7 +664,7 @@ def main(argv=None) -> int:
         f"{name}: a step of the cover launches a specialization that the product of the "
         f"structural axes {rec['structural']} does not" for name in rec.get("unexplained", ())]
     t_record = time.perf_counter() - t0
-    chosen = specs
+    chosen = [s for s in specs if in_sample(s)] if args.sample else specs
     for cond in args.where:
         name, _, value = cond.partition("=")
         negate = name.endswith("!")
@@ -651,6 +680,7 @@ def main(argv=None) -> int:
                    record_seconds=round(t_record, 1),
                    structural=rec.get("structural"),
                    specializations=len(specs), selected=len(chosen), select=args.select,
+                   sample=args.sample, sample_missing=sample_missing(specs),
                    per_kernel={f"{n} sm_{a}": c for (n, a), c in sorted(counts.items())},
                    coverage_problems=problems)
     print(json.dumps({k: v for k, v in summary.items() if k != "per_kernel"}), file=sys.stderr)
