@@ -113,7 +113,10 @@ class StepCache:
       cache] in fusedopt/optim.py);
     * ``options``: the option values of each group when last checked and ``lrs`` its tensor lr
       whose value was read (Note [option checks] in fusedopt/optim.py); ``bases``: the storages
-      of the flat state under torch.compile (Note [traced flat state] in fusedopt/optim.py).
+      of the flat state under torch.compile (Note [traced flat state] in fusedopt/optim.py);
+    * ``reducer``: the sharded reducer of the DTensor params of the last step and those params,
+      kept while a step has the same ones in the same order (it holds the tensors its
+      all-reduces select rows by, uploaded once).
 
     A bucket's slot names its group and its (device, param dtype, grad dtype). Torch.library
     operators, which take no Python objects, find a cache by its ``id`` (:meth:`find`): a weak
@@ -128,6 +131,7 @@ class StepCache:
         StepCache._live[self.id] = self
         self.layouts: dict[str, Any] = {}
         self.workspaces: dict[str, dict] = {}
+        self.reducer: tuple | None = None  # (the step's DTensor params, their reducer)
         self.single: dict[int, tuple[str, Any]] = {}
         self.groups: dict[int, tuple] = {}
         self.options: dict[int, tuple] = {}

@@ -202,10 +202,11 @@ def _flat_group(mesh, dims: tuple[int, ...]) -> list:
 class ShardedNormReducer:
     """:class:`~fusedopt.functional.SqSumReducer` for steps with DTensor params (see module doc).
 
-    Built per step by :func:`reducer_for` from the step's params (DTensors); the rows of each
-    bucket are matched to them through ``Bucket.sources``. ``param_groups`` gives each param's
-    group (whose backend recomputes the few per-tensor sums that must not be counted twice in the
-    clipping total).
+    Built by :func:`reducer_for` from a step's params (DTensors), and kept by the optimizer for
+    the steps with the same ones (``StepCache.reducer``, so that its tensors of selected rows are
+    uploaded once); the rows of each bucket are matched to them through ``Bucket.sources``.
+    ``param_groups`` gives each param's group (whose backend recomputes the few per-tensor sums
+    that must not be counted twice in the clipping total).
     """
 
     def __init__(self, params: list[torch.Tensor], param_groups, dtensor_type):

@@ -727,10 +727,16 @@ class _TrustRatioOptimizer(Optimizer):
     def _step_reducer(self, groups: list[TensorGroup]):
         if self._reducer is not None:
             return self._reducer
-        if not any(g.sources for g in groups):
+        sources = [p for g in groups for p in (g.sources or ())]
+        if not sources:
             return None
+        kept = self._cache.reducer
+        if kept is not None and len(kept[0]) == len(sources) and all(map(is_, kept[0], sources)):
+            return kept[1]
         from .distributed import reducer_for
-        return reducer_for(groups, self.param_groups)
+        reducer = reducer_for(groups, self.param_groups)
+        self._cache.reducer = (sources, reducer)
+        return reducer
 
     # Note [shared tensor lr]: several param groups given one tensor lr object (the default lr of
     # the constructor, or one tensor put in several groups) each get a view of it instead: the

@@ -492,6 +492,46 @@ def scenario_fsdp2_8bit(ctx, kind: str, backend: str, dtype: str = "float32"):
     return out
 
 
+def scenario_reducer_uploads(ctx, backend: str):
+    """A group of a Shard(0) DTensor beside a plain param (so that the stacked all-reduce selects
+    rows by an index tensor), three opt.step() calls: the tensors of fusedopt.distributed._const
+    made at each step (its cache misses), and whether the DTensor's update matched the same
+    step of one process."""
+    import fusedopt
+    from fusedopt import distributed as dist_mod
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(5)
+    w0, b0 = torch.randn(8, 4, generator=gen), torch.randn(5, generator=gen)
+    w = torch.nn.Parameter(distribute_tensor(w0.clone(), ctx["mesh"], [Shard(0)]))
+    b = torch.nn.Parameter(b0.clone())
+    opt = fusedopt.FusedLAMB([w, b], lr=1e-2, backend=backend)
+    ref_w = torch.nn.Parameter(w0.clone())
+    ref = fusedopt.FusedLAMB([ref_w, torch.nn.Parameter(b0.clone())], lr=1e-2, backend=backend)
+    made, real = [], dist_mod._const
+
+    def counted(consts, values, dtype, device):
+        if (tuple(values), dtype, device) not in consts:
+            made.append(list(values))
+        return real(consts, values, dtype, device)
+
+    per_step = []
+    dist_mod._const = counted
+    try:
+        for _ in range(3):
+            gw, gb = torch.randn(8, 4, generator=gen), torch.randn(5, generator=gen)
+            w.grad = distribute_tensor(gw, ctx["mesh"], [Shard(0)])
+            b.grad = gb.clone()
+            ref_w.grad, ref.param_groups[0]["params"][1].grad = gw.clone(), gb.clone()
+            first = len(made)
+            opt.step()
+            ref.step()
+            per_step.append(len(made) - first)
+    finally:
+        dist_mod._const = real
+    return dict(made_per_step=per_step, err=rel_err([w.full_tensor()], [ref_w]))
+
+
 def scenario_clip_sensitivity(ctx, backend: str):
     """How much the single-process result moves when the clipping norm is off by sqrt(2) (the error
     of forgetting the other rank's half of the gradient): the equivalence tests can see it."""
@@ -1181,6 +1221,7 @@ def scenarios(backends: list[str]):
         for name in OPT_CASES:
             out.append((f"fsdp2-{be}-{name}", scenario_fsdp2, (name, be)))
         out.append((f"clip_sensitivity-{be}", scenario_clip_sensitivity, (be,)))
+        out.append((f"reducer_uploads-{be}", scenario_reducer_uploads, (be,)))
         out.append((f"fsdp2_state_dict-{be}", scenario_fsdp2_state_dict, (be,)))
         out.append((f"fsdp2_compiled-{be}", scenario_fsdp2_compiled, (be,)))
         for kind in ("lamb", "lars"):

@@ -115,21 +115,10 @@ def apart(init, ref, got) -> float:
 
 
 def refused_without(ctx, engine, opt, data=None) -> dict:
-    """One training step of ``engine`` that must refuse (enable_deepspeed_zero not called, or
-    refused): ``refused``, the RuntimeError's message (None if it stepped), and ``unchanged``,
-    whether the flat partitions and the optimizer's state stayed as they were."""
-    before = [t.clone() for t in flat_partitions(engine)]
-    state = {k: {n: v.clone() for n, v in st.items() if isinstance(v, torch.Tensor)}
-             for k, st in opt.state.items()}
-    try:
-        train(ctx, engine, 1, data=data)
-        message = None
-    except RuntimeError as e:
-        message = str(e)
-    same_state = opt.state.keys() == state.keys() and all(
-        torch.equal(v, opt.state[k][n]) for k, st in state.items() for n, v in st.items())
-    return dict(refused=message, unchanged=same_state and all(
-        map(torch.equal, before, flat_partitions(engine))))
+    """dist_utils.refused_step of one training step of ``engine`` (enable_deepspeed_zero not
+    called, or refused), over the flat partitions and the optimizer's state."""
+    return dist_utils.refused_step(lambda: train(ctx, engine, 1, data=data),
+                                   flat_partitions(engine), opt)
 
 
 def matches(ctx, kind, backend, stage, gas=1, offload=False, disabled_too=True):
