@@ -82,18 +82,23 @@ def deepspeed_caller(optimizer) -> str | None:
 def check_step(optimizer) -> None:
     """Raises (RuntimeError naming the call to make) when ``optimizer`` (a FusedLAMB/FusedLARS,
     stepped eagerly) is the local optimizer of a ZeroRedundancyOptimizer and clips
-    (``max_grad_norm``) without :func:`fusedopt.distributed.enable_zero_global_clipping`, or is
+    (``max_grad_norm``) or skips non-finite steps (``skip_nonfinite``, decided on the same
+    gradient total) without :func:`fusedopt.distributed.enable_zero_global_clipping`, or is
     stepped by a DeepSpeed optimizer of flat partitions without
     :func:`fusedopt.distributed.enable_deepspeed_zero`."""
     name = type(optimizer).__name__
     parent = optimizer._zero_parent
-    if (parent is not None and optimizer._reducer is None and parent() is not None
-            and any(g.get("max_grad_norm") is not None for g in optimizer.param_groups)):
-        raise RuntimeError(
-            f"{name} is the local optimizer of a ZeroRedundancyOptimizer and clips "
-            "(max_grad_norm): each rank would clip by the norm of its own params' gradients; call "
-            "fusedopt.distributed.enable_zero_global_clipping(zero_optimizer) once, on every "
-            "rank, before the first step (nothing was changed)")
+    if parent is not None and optimizer._reducer is None and parent() is not None:
+        what = ("clips (max_grad_norm)" if any(g.get("max_grad_norm") is not None
+                                               for g in optimizer.param_groups)
+                else "skips non-finite steps (skip_nonfinite)" if optimizer.skip_nonfinite
+                else None)
+        if what is not None:
+            raise RuntimeError(
+                f"{name} is the local optimizer of a ZeroRedundancyOptimizer and {what}: each "
+                "rank would decide by the norm of its own params' gradients; call "
+                "fusedopt.distributed.enable_zero_global_clipping(zero_optimizer) once, on every "
+                "rank, before the first step (nothing was changed)")
     if not optimizer._partitions:
         kind = deepspeed_caller(optimizer)
         if kind is not None:

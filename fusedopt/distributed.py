@@ -378,8 +378,8 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
     keys the random bits of low-precision state (docs/math.md, "Random bits"), so that LAMB's
     ``v`` rounds as in one process; without it each rank numbers its own params from 0.
 
-    Without this call a step with ``max_grad_norm`` refuses, naming it, when the optimizer is
-    a ZeroRedundancyOptimizer's local optimizer. ZeRO leaves no mark on it: it is recognized as
+    Without this call a step with ``max_grad_norm`` or ``skip_nonfinite`` (decided on the same
+    total) refuses, naming it, when the optimizer is a ZeroRedundancyOptimizer's local optimizer. ZeRO leaves no mark on it: it is recognized as
     built by ZeRO's ``_init_local_optimizer`` (the constructor looks at its callers), so one
     built otherwise and handed to ZeRO is not recognized.
     """

@@ -771,7 +771,8 @@ def scenario_flat_group(ctx):
 
 def scenario_zero(ctx, name: str, backend: str, enable: bool = True):
     """ZeroRedundancyOptimizer(optimizer_class=FusedLAMB/LARS) over a DDP model == one process;
-    without enable_zero_global_clipping a step with max_grad_norm refuses (refused_step)."""
+    without enable_zero_global_clipping a step with max_grad_norm, or with skip_nonfinite,
+    refuses (refused_step)."""
     import fusedopt
     from fusedopt.distributed import enable_zero_global_clipping
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -785,7 +786,11 @@ def scenario_zero(ctx, name: str, backend: str, enable: bool = True):
         enable_zero_global_clipping(opt)
     else:  # max_grad_norm: each rank would clip by its own part of the norm
         backward_once(ctx, model)
-        return refused_step(opt.step, model.parameters(), opt.optim)
+        out = refused_step(opt.step, model.parameters(), opt.optim)
+        # skip_nonfinite alone: each rank would skip by its own gradients
+        skip = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, backend=backend,
+                                       lr=kw["lr"], skip_nonfinite=True)
+        return dict(out, skip=refused_step(skip.step, model.parameters(), skip.optim))
     owned = len([p for g in opt.optim.param_groups for p in g["params"]])
     counts = train_counted(ctx, model, opt)
     ref = train_reference(kind, kw, False, backend)

@@ -243,12 +243,14 @@ def test_zero_redundancy_optimizer(job, backend, case):
 @needs_gloo
 @pytest.mark.parametrize("backend", BACKEND_PARAMS)
 def test_zero_clipping_without_enable_is_refused(job, backend):
-    """Without enable_zero_global_clipping each rank would clip by the norm of the gradients it
-    owns, which is not the global norm: a step with max_grad_norm refuses, naming the call,
-    and changes nothing (the local optimizer is recognized as built by ZeRO)."""
+    """Without enable_zero_global_clipping each rank would clip (or skip a non-finite step) by
+    the norm of the gradients it owns, which is not the global norm: a step with max_grad_norm,
+    or with skip_nonfinite, refuses, naming the call, and changes nothing (the local optimizer is
+    recognized as built by ZeRO)."""
     for res in results(job, f"zero_unsynced_clip-{backend}"):
-        assert "enable_zero_global_clipping(zero_optimizer)" in res["refused"], res
-        assert res["unchanged"], res
+        for r in (res, res["skip"]):  # max_grad_norm; skip_nonfinite alone
+            assert "enable_zero_global_clipping(zero_optimizer)" in r["refused"], res
+            assert r["unchanged"], res
 
 
 @needs_gloo
