@@ -662,6 +662,14 @@ def placed(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return _placed_like(local, p, tuple(p.shape))
 
 
+def _whole_tensor_only(p: torch.Tensor, key: str) -> None:
+    """Raises ValueError for a moment of the earlier 8-bit format on the DTensor ``p``: its
+    blocks are the whole tensor's, which no shard's state can take."""
+    if hasattr(p, "to_local"):
+        raise ValueError(f"8-bit {key!r} of the earlier format cannot be placed on shards; "
+                         "load it into one process with state_precision='full' first")
+
+
 def saved_form(packed: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes and block words of the packed 8-bit moment of ``p`` (of its local shard for a
     DTensor, then as DTensors placed like ``p``): views of ``packed`` (Note [saved 8-bit
@@ -738,9 +746,7 @@ def saved_moment(saved: dict, key: str, p: torch.Tensor) -> tuple[str, torch.Ten
                              f"{tuple(value.shape)} with {scales.numel()} scales do not fit a "
                              f"param of shape {tuple(p.shape)} (expected {n_blocks(p.numel())} "
                              "scales)")
-        if hasattr(p, "to_local"):
-            raise ValueError(f"8-bit {key!r} of the earlier format cannot be placed on shards; "
-                             "load it into one process with state_precision='full' first")
+        _whole_tensor_only(p, key)
         codes, scales = _whole(value), _whole(scales)
         return "v1", decode_v1(codes.reshape(-1).to(device), scales.to(device), key).view(lp.shape)
     n = p.numel()
@@ -749,8 +755,6 @@ def saved_moment(saved: dict, key: str, p: torch.Tensor) -> tuple[str, torch.Ten
                          f"{key + BLOCKS_SUFFIX!r}; expected codes of the param's shape "
                          f"{tuple(p.shape)} and block words, or the {v1_packed_numel(n)} packed "
                          "bytes of the earlier format")
-    if hasattr(p, "to_local"):
-        raise ValueError(f"packed 8-bit {key!r} of the earlier format cannot be placed on shards; "
-                         "load it into one process with state_precision='full' first")
+    _whole_tensor_only(p, key)
     scales, codes = v1_split(_whole(value).to(device), n)
     return "v1", decode_v1(codes, scales, key).view(lp.shape)
