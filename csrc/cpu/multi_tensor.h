@@ -1,9 +1,9 @@
 // The CPU multi-tensor launcher: chunk table, one parallel region per pass, deterministic
-// per-tensor sums of squares. It owns the tables and the threading; the functors in ops.cpp own
+// per-tensor sums of squares. It owns the tables and the threading; the functors in kernels.h own
 // only the arithmetic (which comes from csrc/fusedopt/math.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

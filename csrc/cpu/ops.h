@@ -1,7 +1,7 @@
 // The CPU implementations of the torch.ops.fusedopt.* operators (schemas in register.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <fusedopt/math.h>
 
 #include <array>
@@ -115,7 +115,7 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
                 const std::optional<at::Tensor>& grad_mult,
                 const std::optional<at::Tensor>& found_inf);
 
-struct CheckedLists;  // Note [kept layout] in ops.cpp
+struct CheckedLists;  // Note [checked lists] in kernels.h
 class Fingerprints;
 
 // A list of tensors that somebody else holds for as long as the list is used.
@@ -128,7 +128,7 @@ using TensorPtrs = std::vector<const at::Tensor*>;
 // the arithmetic (docs/performance.md). The layout keeps what the checks of the lists that do not
 // change from step to step (weights, the bf16/fp16 params beside masters, the optimizer state,
 // the step counts) saw, and bind() only looks whether the lists it is given are those tensors
-// still (Note [checked lists] in ops.cpp); the grads, new every step, are checked at every bind.
+// still (Note [checked lists] in kernels.h); the grads, new every step, are checked at every bind.
 // The operators above are a layout made, checked and bound for one call. Empty lists stand for
 // what a bucket does not have (momentum buffers for LAMB, params without masters).
 class KeptLayout {

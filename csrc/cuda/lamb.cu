@@ -20,7 +20,7 @@
 // exp_avg holds the direction d = m / (s + eps8) in the linear map and exp_avg_sq the root s in
 // the root map (Note [8-bit maps] in fusedopt/math.h), so that u = c8*d + lambda*w.
 // Pass 1 computes u from the values it stored and pass 2 from the same stored values, as
-// csrc/cpu/ops.cpp does (lamb_pass1_chunk_bf16 / _q8, lamb_pass2_chunk_bf16 / _q8), element for
+// csrc/cpu/kernels.h does (lamb_pass1_chunk_bf16 / _q8, lamb_pass2_chunk_bf16 / _q8), element for
 // element the same operations.
 #include "lowp.cuh"
 
@@ -150,7 +150,7 @@ struct LambPass1Of {
   }
 
   // 8-bit moments, a block per warp (Note [8-bit blocks on CUDA]), as lamb_pass1_chunk_q8 of
-  // csrc/cpu/ops.cpp (Note [8-bit maps]): m = d*(s + eps) and v = s*s read from the stored codes
+  // csrc/cpu/kernels.h (Note [8-bit maps]): m = d*(s + eps) and v = s*s read from the stored codes
   // and updated; the block's root words (block_max) and the codes of s = sqrt(v) (stochastic);
   // the direction d = m / (s + eps8) from the roots as stored, its block's largest |d|
   // (block_max), words and codes (to nearest); u = c8*d + lambda*w from the directions as stored.
@@ -344,7 +344,7 @@ struct LambPass2 {
 
   // 8-bit moments, 8 elements of a block per lane (Note [8-bit blocks on CUDA]; nothing is
   // reduced here, so no lane waits for another): u = c8*d + lambda*w from the stored directions
-  // alone (lamb_pass2_chunk_q8 of csrc/cpu/ops.cpp), so exp_avg_sq is not read.
+  // alone (lamb_pass2_chunk_q8 of csrc/cpu/kernels.h), so exp_avg_sq is not read.
   __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,
                                            int count, const Scalars& sc, W* w, P* p) const {
     constexpr int L = kLaneElems;

@@ -15,7 +15,7 @@
 // row (Note [state rows] in lowp.cuh): a bf16 buffer rounded to nearest even, or an 8-bit one in
 // blocks of the dynamic map (Note [8-bit blocks on CUDA]; Note [8-bit maps] in math.h), with the
 // rounded float32 operations of math.h (Note [rounded operations]), element for element the
-// operations of csrc/cpu/ops.cpp (lars_pass2_chunk_bf16 / _q8). The step moves by the buffer
+// operations of csrc/cpu/kernels.h (lars_pass2_chunk_bf16 / _q8). The step moves by the buffer
 // just computed in float32, and the state stores that buffer rounded: the trust ratio does not
 // depend on the buffer, so nothing reads the rounded one before the next step.
 #include "lowp.cuh"
@@ -173,7 +173,7 @@ struct LarsPass2 {
   }
 
   // An 8-bit buffer, a block per warp (Note [8-bit blocks on CUDA]), as lars_pass2_chunk_q8 of
-  // csrc/cpu/ops.cpp: the new buffer from the stored one (the dynamic map, Note [8-bit maps]),
+  // csrc/cpu/kernels.h: the new buffer from the stored one (the dynamic map, Note [8-bit maps]),
   // the step from the new buffer in float32 (w is stored before the reduction, which it does not
   // wait for), then the block's largest |value| (block_max), its words and codes.
   __device__ __forceinline__ void q8_chunk(const TensorTable<kRows>& t, int slot, int64_t begin,

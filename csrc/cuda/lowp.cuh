@@ -3,7 +3,7 @@
 // packed 8-bit layout, the iteration over 8-bit blocks, the reductions of a block's words and the
 // dynamic map's tables. The functors of lamb.cu and lars.cu branch on a tensor's format once per
 // chunk; the per-element math is the rounded-operation functions of math.h (Note [rounded
-// operations]), so that the kernels store the bytes the cpp backend stores (csrc/cpu/ops.cpp,
+// operations]), so that the kernels store the bytes the cpp backend stores (csrc/cpu/kernels.h,
 // lamb_pass1_chunk_q8 and its siblings).
 #pragma once
 
@@ -165,7 +165,7 @@ enum ReduceSite : int { kRootWordsSite, kDirectionTopSite, kBufferTopSite };
 // thread of the block calls this once per round of for_each_q8_slice and site. The maps' block
 // values are largest bit patterns of magnitudes (Note [8-bit maps]: for magnitudes their order is
 // the values', and only inf and NaN lie at kInfBits or above); an integer maximum does not depend
-// on the order of the lanes, so the words are those of csrc/cpu/ops.cpp's block_top and
+// on the order of the lanes, so the words are those of csrc/cpu/kernels.h's block_top and
 // root_words.
 template <int kSite, int K>
 __device__ __forceinline__ void block_max(unsigned int (&x)[K], int round) {

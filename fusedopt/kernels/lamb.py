@@ -18,7 +18,7 @@ kernels/tables.py): with float32 compute, a program with a bf16 or 8-bit row run
 and run each format present among the program's rows: pass 1 reads the stored moments, updates
 them in float32, stores them rounded to the format (``v`` stochastically, with the random bits of
 the tensor's step count and key) and takes ``u`` from the values it stored; pass 2 takes ``u``
-from the same stored values (csrc/cpu/ops.cpp's ``lamb_pass{1,2}_chunk_{bf16,q8}``). 8-bit state
+from the same stored values (csrc/cpu/kernels.h's ``lamb_pass{1,2}_chunk_{bf16,q8}``). 8-bit state
 holds the direction ``d = m / (s + ε)`` in ``exp_avg`` and the root ``s = sqrt(v)`` in
 ``exp_avg_sq`` (Note [8-bit maps] in csrc/fusedopt/math.h), so ``u = c8·d + λ·w`` and pass 2
 reads ``exp_avg`` alone.
@@ -103,7 +103,7 @@ def _pass1_tile_q8(w_ptr, g_ptr, mw_ptr, mc_ptr, vw_ptr, vc_ptr, bmask, mask, e,
                    beta2, beta3, one_minus_beta2, eps8, c8, lambda_in_u):
     """One tile of pass 1 with 8-bit moments, whole blocks (``[ROWS, NB, 256]``; ``mw_ptr``,
     ``vw_ptr``: the blocks' first words ``[ROWS, NB, 1]``, where ``bmask``; ``mc_ptr``,
-    ``vc_ptr``: the codes), as csrc/cpu/ops.cpp's lamb_pass1_chunk_q8: ``m = d·(s + ε)`` and
+    ``vc_ptr``: the codes), as csrc/cpu/kernels.h's lamb_pass1_chunk_q8: ``m = d·(s + ε)`` and
     ``v = s·s`` read and updated; the roots ``s = sqrt(saturate(v))`` stored (stochastically,
     with the bits of the elements ``e``), the direction ``d = m / (s + eps8)`` from the roots as
     stored, then ``u = c8·d + λ·w`` from the directions as stored. Returns ``(w², u²)``."""

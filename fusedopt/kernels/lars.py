@@ -10,7 +10,7 @@ even). Memory traffic per element: 8 + 20 bytes, docs/math.md's 28 for float32.
 A bf16 or 8-bit momentum buffer (docs/math.md, "Low-precision state"; Note [state formats in the
 tables] in kernels/tables.py) is stored rounded to nearest (bf16: even; 8-bit: the dynamic map
 of Note [8-bit maps] in csrc/fusedopt/math.h), and the step moves by the buffer just computed in
-float32, before its rounding (csrc/cpu/ops.cpp's ``lars_pass2_chunk_{bf16,q8}``): the trust ratio
+float32, before its rounding (csrc/cpu/kernels.h's ``lars_pass2_chunk_{bf16,q8}``): the trust ratio
 does not depend on the buffer, so nothing reads the rounded one before the next step. With
 float32 compute, a program with such a row runs the tiles of ``_pass2_lowp``, whole 8-bit blocks
 per tile.
@@ -141,7 +141,7 @@ def _pass2_tile_q8(w_ptr, p_ptr, g_ptr, vw_ptr, c_ptr, bmask, mask, gm, ratio, l
                    add, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, nesterov, lr_in_momentum):
     """One tile of pass 2 with an 8-bit buffer, whole blocks (``[ROWS, NB, 256]``; ``vw_ptr``: the
     blocks' first words ``[ROWS, NB, 1]``, where ``bmask``; ``c_ptr``: the codes), as
-    csrc/cpu/ops.cpp's lars_pass2_chunk_q8: the step from the new buffer, which is then stored in
+    csrc/cpu/kernels.h's lars_pass2_chunk_q8: the step from the new buffer, which is then stored in
     the dynamic map with the words ``(bits(a), 0)`` (a block that is not finite: ``(NaN, 0)`` and
     codes 0)."""
     w = tl.load(w_ptr, mask=mask, other=0.0).to(tl.float32)
