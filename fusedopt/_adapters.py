@@ -3,7 +3,8 @@ step from what the engines themselves leave (docs/distributed.md, "Settings a st
 
 A step without its adapter would be silently wrong: one trust ratio per flat partition or per
 rank's piece, or each rank clipping by its own part of the norm. The step raises instead, before
-anything changes, naming the call to make. A leaf module: it imports nothing of fusedopt.
+anything changes, naming the call to make; the group options that flat partitions cannot take
+are refused here too (check_partition_options). A leaf module: it imports nothing of fusedopt.
 """
 from __future__ import annotations
 
@@ -127,3 +128,14 @@ def check_params(optimizer, gi: int, ps: list) -> None:
             "stepped as it is, it would get one trust ratio); call "
             "fusedopt.distributed.enable_deepspeed_zero(engine) once, on every rank, after "
             "deepspeed.initialize (nothing was changed)")
+
+
+def check_partition_options(group: dict[str, Any]) -> None:
+    """Options that a group of flat partitions (Note [flat partitions]) cannot take."""
+    if group["max_grad_norm"] is not None:
+        raise ValueError("max_grad_norm cannot clip flat partitions by the global norm "
+                         "(DeepSpeed steps each param group on its own); set DeepSpeed's "
+                         "\"gradient_clipping\" instead and max_grad_norm=None")
+    if group["state_precision"] == "8bit":
+        raise ValueError("state_precision='8bit' is not supported for flat partitions (its blocks "
+                         "would cross the pieces); use 'bf16' or 'full'")

@@ -66,7 +66,7 @@ import torch.distributed as dist
 from . import backends as _backends
 from . import lowp
 from ._bucket import local as _local
-from .optim import check_partition_options
+from ._adapters import check_partition_options
 
 if TYPE_CHECKING:
     from ._bucket import Bucket

@@ -17,6 +17,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
 
 from . import _adapters, _checkpoint
+from ._adapters import check_partition_options
 from . import backends as _backends
 from . import lowp
 from ._bucket import StepCache, compute_dtype, dtype_codes
@@ -63,17 +64,6 @@ def _alias(buffer: torch.Tensor, offset: int, shape, stride=None) -> torch.Tenso
     own."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
         buffer.untyped_storage(), offset, shape, *(() if stride is None else (stride,)))
-
-
-def check_partition_options(group: dict[str, Any]) -> None:
-    """Options that a group of flat partitions (Note [flat partitions]) cannot take."""
-    if group["max_grad_norm"] is not None:
-        raise ValueError("max_grad_norm cannot clip flat partitions by the global norm "
-                         "(DeepSpeed steps each param group on its own); set DeepSpeed's "
-                         "\"gradient_clipping\" instead and max_grad_norm=None")
-    if group["state_precision"] == "8bit":
-        raise ValueError("state_precision='8bit' is not supported for flat partitions (its blocks "
-                         "would cross the pieces); use 'bf16' or 'full'")
 
 
 def _guard_on(tensors) -> None:

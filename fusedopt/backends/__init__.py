@@ -31,13 +31,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+# the leaf errors and capture test (fusedopt/_errors.py), named here too for the backends
+from .._errors import BackendCompileError, capturing, refuse_cpu_lr_in_capture  # noqa: F401
+
 if TYPE_CHECKING:
     from .._bucket import Bucket
-
-
-class BackendCompileError(RuntimeError):
-    """A backend could not compile a kernel it needs for a step (raised by ``Backend.prepare``,
-    before anything is modified). ``str()`` names the backend, the kernel and its specialization."""
 
 
 class Backend:
@@ -100,26 +98,6 @@ _AUTO_ORDER = {"cpu": ("cpp", "eager"), "cuda": ("cuda", "triton", "eager")}
 
 _instances: dict[str, Backend] = {}
 _load_errors: dict[str, str] = {}
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is capturing a CUDA graph."""
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
-
-
-def refuse_cpu_lr_in_capture(name: str, lr, device: torch.device) -> None:
-    """Note [CPU tensor lr]: a GPU backend reads a CPU tensor lr of params on another device on
-    the host (no device sync, and the bits of reading it on the device); a CUDA graph would keep
-    the captured step's value at every replay, so such an lr is refused during capture."""
-    if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and device.type != "cpu"
-            and not torch.compiler.is_compiling() and capturing(device)):
-        raise RuntimeError(
-            f"fusedopt {name} backend: a CPU tensor lr cannot be captured in a CUDA graph: the "
-            "step reads its value on the host, so every replay would use the value of the "
-            "captured step; keep the tensor lr on the params' device for a captured step")
 
 
 def get_backend(name: str) -> Backend | None:

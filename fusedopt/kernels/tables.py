@@ -102,7 +102,7 @@ from typing import Sequence
 import torch
 
 from .._bucket import data_ptrs, dtype_codes, numels
-from ..backends import BackendCompileError, capturing
+from .._errors import BackendCompileError, capturing
 
 # Note [launch limit]
 MAX_TENSORS_PER_LAUNCH = 32768
