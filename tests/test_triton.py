@@ -18,7 +18,7 @@ from helpers import triton_module
 
 INTERPRETED, DEVICE = triton_module()
 
-import fusedopt.backends as fusedopt_backends  # noqa: E402
+from fusedopt import _errors  # noqa: E402
 from fusedopt.backends import triton_backend  # noqa: E402
 from fusedopt.backends.triton_backend import TritonBackend  # noqa: E402
 
@@ -150,7 +150,7 @@ def _fake_cuda_operands(monkeypatch, capturing=False):
     monkeypatch.setattr(tables, "operand", lambda device, dtype, value: torch.full((), value,
                                                                                    dtype=dtype))
     monkeypatch.setattr(tables, "capturing", lambda device: capturing)
-    monkeypatch.setattr(fusedopt_backends, "capturing", lambda device: capturing)
+    monkeypatch.setattr(_errors, "capturing", lambda device: capturing)
 
     def to(self, *args, **kwargs):
         copies.append((args, kwargs))

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# the leaf errors and capture test (fusedopt/_errors.py), named here too for the backends
-from .._errors import BackendCompileError, capturing, refuse_cpu_lr_in_capture  # noqa: F401
+# the leaf error and the CPU-lr capture refusal (fusedopt/_errors.py), named here for the backends
+from .._errors import BackendCompileError, refuse_cpu_lr_in_capture  # noqa: F401
 
 if TYPE_CHECKING:
     from .._bucket import Bucket
