@@ -538,7 +538,7 @@ def _grad_multipliers(plan, flips, total, grad_scale):
             if grad_scale is not None:
                 m = grad_scale.reshape(()).to(dev, torch.float64).reciprocal()
             if h.max_grad_norm is not None:
-                g_norm = total.to(dev).sqrt()
+                g_norm = lowp.sqrt_rn(total.to(dev))
                 if m is not None:
                     g_norm = g_norm * m  # G of the unscaled gradients
                 c = torch.clamp(g_norm / h.max_grad_norm, min=1.0)

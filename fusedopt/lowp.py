@@ -14,6 +14,7 @@ writes; the 32-bit hash runs in int64 arithmetic masked to 32 bits (its multipli
 """
 from __future__ import annotations
 
+import numpy
 import torch
 
 FORMATS = ("full", "bf16", "8bit")
@@ -111,9 +112,16 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     the rounded root; taken in float64 (within one float64 ulp, VML again) and rounded to float32
     it is the rounded root: scaled to [1, 2), the root r of a float32 x lies at least 2^-50 from
     a float32 rounding boundary m (x - m² is a nonzero multiple of 2^-48, and r + m < 4), and an
-    error of one float64 ulp (2^-52) cannot carry it across."""
-    if x.dtype == torch.float32 and x.device.type == "cpu":
-        return x.double().sqrt_().float()
+    error of one float64 ulp (2^-52) cannot carry it across. VML's float64 root is itself one
+    ulp off for about 1% of its inputs, by a path that depends on the CPU, so a CPU float64 root
+    is numpy's (the IEEE instruction); a compiled step's root is inductor's, the IEEE one too."""
+    if x.device.type == "cpu":
+        if x.dtype == torch.float32:
+            return x.double().sqrt_().float()
+        if x.dtype == torch.float64 and not torch.compiler.is_compiling():
+            out = torch.empty_like(x)
+            numpy.sqrt(x.numpy(), out=out.numpy())
+            return out
     return x.sqrt()
 
 
@@ -521,7 +529,7 @@ def lamb_eps(eps: float, beta2: float, bias_correction: bool, step: float) -> to
     if not bias_correction:
         return e
     bc = 1.0 - torch.pow(torch.tensor(beta2, dtype=torch.float64), float(step))
-    r2 = bc.sqrt().reciprocal().to(torch.float32)
+    r2 = sqrt_rn(bc).reciprocal().to(torch.float32)
     return e / r2
 
 

@@ -248,7 +248,7 @@ class EagerBackend(Backend):
                     den[i] = lowp.sqrt_rn(held)
         if h.bias_correction:
             r1 = _per_tensor(bias_correction(h.beta1, t).reciprocal().to(cd))
-            r2 = _per_tensor(bias_correction(h.beta2, t).sqrt().reciprocal().to(cd))
+            r2 = _per_tensor(lowp.sqrt_rn(bias_correction(h.beta2, t)).reciprocal().to(cd))
             m_hat = torch._foreach_mul(m, r1)
             torch._foreach_mul_(den, r2)
         else:
