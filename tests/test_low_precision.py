@@ -1159,3 +1159,18 @@ def test_random_key_places_a_shard_as_torch_does():
         finally:
             dist.destroy_process_group()
     assert checked > 100
+
+
+def test_the_float64_square_root_is_correctly_rounded():
+    """lowp.sqrt_rn of float64 (eager's roots, the clip norm's) against Python's math.sqrt (the
+    IEEE root) over every exponent, for a vector and for 0-dim tensors: torch's CPU float64 root
+    is MKL VML's, one ulp off for about 1% of its inputs, by a path that depends on the CPU."""
+    import math
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 0x7FF0000000000000, (1 << 16,), generator=gen, dtype=torch.int64).view(
+        torch.float64)
+    expect = torch.tensor([math.sqrt(v) for v in x.tolist()], dtype=torch.float64)
+    assert torch.equal(lowp.sqrt_rn(x), expect)
+    for v, e in zip(x[:2000].tolist(), expect[:2000].tolist()):
+        root = lowp.sqrt_rn(torch.tensor(v, dtype=torch.float64))
+        assert root.shape == () and root.item() == e
