@@ -5,7 +5,7 @@ triton under Triton's interpreter).
 Why: the layer between ``FusedLAMB.step()`` and the kernels is being rewritten. The rewrite must
 give bit-identical params and optimizer state to the code before it; tests/test_golden.py reruns
 every case below with the current code and compares it, bit for bit, with
-tests/data/golden_89780ab.pt.
+tests/data/golden_131ab63.pt.
 
 First recorded at commit 990dfdf ("functional: __all__ wrapped"), torch
 2.13.0+cpu, triton 3.7.1, 2 intra-op threads, with a checkout of that commit whose extension was
@@ -25,6 +25,14 @@ sum, correctly rounded square roots: docs/math.md); its eager entries were recor
 at 89780ab (``--backends eager,cpp``), and golden_89780ab.pt is golden_990dfdf.pt
 (in git history) with those eager entries: the cpp recording at 89780ab equals 990dfdf's in
 every case, and 89780ab changed no Triton code (``"__meta__"["note"]`` says so).
+
+Commit 131ab63 made the CPU float64 square roots correctly rounded (``lowp.sqrt_rn``: torch's is
+MKL VML's, one ulp off for about 1% of inputs, by a path that depends on the CPU); it changed the
+two float64 cases that clip (the clip norm's root) and nothing else. golden_131ab63.pt was
+recorded at 131ab63 as above (every case and backend, ``--expect-source`` the clone itself), and
+``--compare tests/data/golden_89780ab.pt`` (git history) against it differs in ``lamb_float64``
+and ``lars_float64`` only; with MKL_CBWR=AVX2 (another VML path) the float64 cases give the same
+tensors as without.
 
 Determinism, checked when it was recorded: ``--check-determinism --backends eager,cpp`` (every
 case with ``torch.set_num_threads(1)`` and again with 2 threads, compared bit for bit) found no
