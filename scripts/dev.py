@@ -54,7 +54,9 @@ def step_once(name: str, inputs, *cmd: str) -> None:
 def setup() -> None:
     if not PY.exists():
         sh(sys.executable, "-m", "venv", str(VENV))
-    pip = (str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q")
+    # --no-compile: Python compiles a module when first imported, so only what runs is compiled
+    # (pip would compile every file of torch, jax and transformers at install)
+    pip = (str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile")
     step_once("torch", [], *pip, *shlex.split(TORCH))
     step_once("deps", [ROOT / "requirements-dev.txt"], *pip, "-r", "requirements-dev.txt")
     # timm's optimizers are a comparison in the tests and the benchmark. Without its dependencies:
