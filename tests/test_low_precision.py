@@ -1174,3 +1174,7 @@ def test_the_float64_square_root_is_correctly_rounded():
     for v, e in zip(x[:2000].tolist(), expect[:2000].tolist()):
         root = lowp.sqrt_rn(torch.tensor(v, dtype=torch.float64))
         assert root.shape == () and root.item() == e
+    special = torch.tensor([0.0, -0.0, float("inf"), float("nan"), -1.0, -float("inf")],
+                           dtype=torch.float64)
+    torch.testing.assert_close(lowp.sqrt_rn(special), special.sqrt(), equal_nan=True)
+    assert torch.equal(lowp.sqrt_rn(special).signbit()[:2], torch.tensor([False, True]))
