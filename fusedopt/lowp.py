@@ -112,7 +112,7 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     it is the rounded root: scaled to [1, 2), the root r of a float32 x lies at least 2^-50 from
     a float32 rounding boundary m (x - m² is a nonzero multiple of 2^-48, and r + m < 4), and an
     error of one float64 ulp (2^-52) cannot carry it across. VML's float64 root is itself one
-    ulp off for about 1% of its inputs, by a path that depends on the CPU; the real part of
+    ulp off for some inputs, which ones depending on the CPU; the real part of
     torch's complex root is not VML's but the IEEE root (of a non-negative x, whose imaginary part
     is 0), so a CPU float64 root is that, with sqrt(-0) = -0 and NaN below 0. A compiled step's
     root is inductor's, the IEEE one too."""
