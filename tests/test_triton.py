@@ -7,6 +7,7 @@ On a CUDA machine the same tests run the compiled kernels on the GPU.
 The interpreter costs about a millisecond per operation of a program, so the tests shrink the
 chunk layout (``small_tiles``) and use small shapes and few steps.
 """
+import collections
 import os
 import subprocess
 import sys
@@ -166,12 +167,12 @@ def test_cpu_tensor_lr_of_cuda_params_is_read_without_a_copy(monkeypatch, dtype)
     on the host (no device sync), travels as the number lr, with the flag LR_TENSOR clear."""
     lr = torch.tensor(0.1, dtype=dtype)
     copies = _fake_cuda_operands(monkeypatch)
-    kw, lr_tensor = triton_backend._lr_args(lr, torch.device("cuda", 0))
-    assert copies == [] and not lr_tensor
+    kw = triton_backend._lr_args(lr, torch.device("cuda", 0))
+    assert copies == [] and kw["lr_flag"] == 0
     assert kw["lr"] == float(lr.double()) and float(kw["lr_ptr"]) == 0.0
     # a tensor lr on the params' device (here the interpreter's CPU) is still read by the kernels
-    kw, lr_tensor = triton_backend._lr_args(lr, torch.device("cpu"))
-    assert lr_tensor and kw["lr_ptr"].dtype == torch.float64 and kw["lr"] == 0.0
+    kw = triton_backend._lr_args(lr, torch.device("cpu"))
+    assert kw["lr_flag"] == tables.LR_TENSOR and kw["lr_ptr"].dtype == torch.float64 and kw["lr"] == 0.0
 
 
 def test_cpu_tensor_lr_is_refused_in_a_capture(monkeypatch):
@@ -180,8 +181,7 @@ def test_cpu_tensor_lr_is_refused_in_a_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="CPU tensor lr cannot be captured in a CUDA graph"):
         triton_backend._lr_args(torch.tensor(0.1), torch.device("cuda", 0))
     # a number lr or a device tensor lr is captured as before
-    kw, _ = triton_backend._lr_args(0.1, torch.device("cuda", 0))
-    assert kw["lr"] == 0.1
+    assert triton_backend._lr_args(0.1, torch.device("cuda", 0))["lr"] == 0.1
 
 
 def _steps_with_lr(kind, lr, steps=3, sync_mode=None):
@@ -360,6 +360,34 @@ def test_a_compiled_step_builds_its_tables_once():
             p.grad.normal_()
         step()
     assert tables.build_count() == before
+    assert all(float(opt.state[p]["step"]) == 3 for p in params)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
+@pytest.mark.parametrize("kind", ["lamb", "lars"])
+def test_each_launch_is_built_once_per_step(kind, compiled, monkeypatch):
+    """Note [triton operators]: a step builds the arguments of each launch once (the kernels are
+    compiled from them, then launched with the step's runtime operands), uncompiled and under
+    ``torch.compile``: 3 groups with clipping, one table each."""
+    params, opt = _groups_opt(kind, 3, max_grad_norm=1.0)
+    built = collections.Counter()
+    for name in ("pass1_launches", "pass2_launches", "sq_norms_launches"):
+        def counted(*args, _real=getattr(triton_backend, name), _name=name, **kw):
+            built[_name] += 1
+            return _real(*args, **kw)
+        monkeypatch.setattr(triton_backend, name, counted)
+    if compiled:
+        torch._dynamo.reset()
+    step = torch.compile(opt.step) if compiled else opt.step
+    for i in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        built.clear()
+        before = tables.launch_count()
+        step()
+        assert tables.launch_count() - before == 9
+        if i:  # the first compiled step traces too
+            assert built == {"pass1_launches": 3, "pass2_launches": 3, "sq_norms_launches": 3}
     assert all(float(opt.state[p]["step"]) == 3 for p in params)
 
 

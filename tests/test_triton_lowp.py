@@ -509,14 +509,14 @@ def test_optimizer_state_matches_cpp(triton_as_cpp):
 def test_compiled_optimizer_step_equals_uncompiled(triton_as_cpp, monkeypatch):
     """``torch.compile(opt.step)`` runs the Triton operators (Note [triton operators]), which take
     the keys: the same bits as the uncompiled step."""
-    run_pass1, seen = triton_backend.run_pass1, []
+    step_launches, seen = triton_backend.step_launches, []
 
     def recording(*args, keys=None, **kw):
         seen.append(None if keys is None else keys.tolist())
-        return run_pass1(*args, keys=keys, **kw)
+        return step_launches(*args, keys=keys, **kw)
 
     runs = [_optimizer_run(DEVICE, False)]
-    monkeypatch.setattr(triton_backend, "run_pass1", recording)
+    monkeypatch.setattr(triton_backend, "step_launches", recording)
     runs.append(_optimizer_run(DEVICE, True))
     assert [1, 2] in seen  # the operator's keys of the first group in the second step
     for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):

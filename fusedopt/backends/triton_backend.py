@@ -8,7 +8,8 @@ O(1) torch calls per bucket (allocating ``sums``); the tables live with the buck
 ownership]). No device tensor is read on the host (a CPU tensor ``lr`` of CUDA params is read
 as a number: Note [CPU tensor lr] at :func:`host_lr`). Every launch runs on its bucket's device
 and that device's current stream (Note [device guard]); before the first launch of a step,
-``prepare`` compiles whatever the step needs, so a compile failure changes nothing.
+``prepare`` builds the arguments of every launch of the step, once, and compiles whatever they
+need, so a compile failure changes nothing (Note [triton operators]).
 
 Dtypes: float16, bfloat16, float32 and float64 params and grads; the math runs in float32, and in
 float64 for float64 params (hyper-parameters travel as float64 kernel arguments).
@@ -22,18 +23,20 @@ under the interpreter (tests/test_triton_lowp.py).
 Devices: CUDA tensors (compiled kernels); CPU tensors only under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment before triton is imported), which the tests use.
 
-Note [triton operators]: the launches are module-level functions (:func:`run_pass1`,
-:func:`run_pass2`, :func:`run_sq_norms`) over a bucket's lists, its hyper tensor (Note [hyper
-fields] in csrc/cpu/ops.h) and a ``TableStore``. An uncompiled step calls them directly; under
-``torch.compile`` the backend calls the ``torch.library`` operators
+Note [triton operators]: the launches of a step are built once (:func:`step_launches`: every
+``(kernel, table, kwargs)`` of its passes over a bucket's lists, its hyper-parameters (Note
+[hyper fields] in csrc/cpu/ops.h) and a ``TableStore``), their kernels compiled, then launched
+with the step's runtime operands (:func:`launch_all`). An uncompiled step builds them in
+``prepare``; under ``torch.compile`` the backend calls the ``torch.library`` operators
 ``fusedopt::triton_{lamb,lars}_pass{1,2}`` and ``fusedopt::triton_sq_norms`` (opaque custom ops
-with fake implementations) instead, whose bodies call the same functions, so dynamo records one
-operator call per pass instead of breaking the graph at the pointer tables. An operator finds its
-bucket's tables through the ids it is given (the optimizer's step cache and the bucket's slot,
-Note [step cache] in fusedopt/_bucket.py): the compiled step keeps them where the uncompiled one
-does, for as long as the optimizer. Pass 1's operator compiles every kernel of the step before
-it runs one, as ``prepare`` does in eager mode; with ``backend="auto"`` a compile failure inside a
-compiled graph raises (there is no fall-back from inside a graph).
+with fake implementations) instead, so dynamo records one operator call per pass instead of
+breaking the graph at the pointer tables. Pass 1's operator builds the step's launches (every
+kernel compiled before it runs one, as ``prepare`` does in eager mode; with ``backend="auto"`` a
+compile failure inside a compiled graph raises: there is no fall-back from inside a graph) and
+leaves pass 2's in the bucket's workspace for pass 2's operator, which the graph calls next for
+that bucket. An operator finds its bucket's workspace through the ids it is given (the
+optimizer's step cache and the bucket's slot, Note [step cache] in fusedopt/_bucket.py): the
+compiled step keeps its tables where the uncompiled one does, for as long as the optimizer.
 
 Note [lazy import]: importing this module does not import triton, and neither does constructing
 the backend (``fusedopt.available_backends()`` constructs every backend): triton decides
@@ -46,6 +49,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -106,10 +110,16 @@ def _store(workspace: dict | None):
     return store
 
 
-def _store_of(cache_id: int, slot: str):
-    """An operator's TableStore: the one of the bucket ``slot`` of the step cache ``cache_id``."""
+def _workspace_of(cache_id: int, slot: str) -> dict | None:
+    """An operator's bucket workspace: the one of the bucket ``slot`` of the step cache
+    ``cache_id`` (None: a one-off bucket)."""
     cache = StepCache.find(cache_id)
-    return None if cache is None else _store(cache.workspace(slot))
+    return None if cache is None else cache.workspace(slot)
+
+
+def _store_of(cache_id: int, slot: str):
+    """An operator's TableStore (Note [table ownership] in kernels/tables.py)."""
+    return _store(_workspace_of(cache_id, slot))
 
 
 # A bucket's lists as the launches take them: params, grads, masters (None: no masters), the two
@@ -126,26 +136,28 @@ def _values(kind: str, hyper) -> dict:
     return {name: getattr(hyper, name) for name in names}
 
 
-def _common(lists: Lists, table, found_inf) -> dict:
-    """Table arguments and constexprs common to the kernels of one launch; a step without
-    ``found_inf`` passes a 0 (Note [runtime flags] in kernels/tables.py)."""
+def _common(lists: Lists, table) -> dict:
+    """Table arguments and constexprs common to the kernels of one launch."""
     k, t = _k(), _k().tables
-    params, masters = lists[0], lists[2]
-    dev, p_dtype = params[0].device, params[0].dtype
-    if found_inf is None:
-        found_inf = t.operand(dev, torch.float32, 0.0)
-    return dict(records=table.records, owner=table.owner, found_inf=found_inf,
-                P_DTYPE=k.dtype[p_dtype], CD=k.dtype[compute_dtype(p_dtype)],
-                HAS_MASTER=masters is not None, ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE,
-                ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE)
+    p_dtype = lists[0][0].dtype
+    return dict(records=table.records, owner=table.owner, P_DTYPE=k.dtype[p_dtype],
+                CD=k.dtype[compute_dtype(p_dtype)], HAS_MASTER=lists[2] is not None,
+                ALIGNED=table.aligned, CHUNK=t.CHUNK_SIZE, ROWS=t.ROWS, BLOCK=t.BLOCK_SIZE)
 
 
-def _grad_mult(lists: Lists, grad_mult):
-    """``grad_mult``, or a 1 when the step has none (Note [runtime flags])."""
-    if grad_mult is not None:
-        return grad_mult
-    p = lists[0][0]
-    return _k().tables.operand(p.device, compute_dtype(p.dtype), 1.0)
+def _runtime(kind: str, lists: Lists, which: int, grad_mult, found_inf, lr=None) -> dict:
+    """The arguments of a pass's launches that change from step to step (Note [runtime flags]):
+    ``grad_mult`` (a 1 when the step has none; pass 1, and LARS's pass 2), ``found_inf`` (a 0),
+    and pass 2's lr (:func:`_lr_args`)."""
+    t, p = _k().tables, lists[0][0]
+    out = dict(found_inf=t.operand(p.device, torch.float32, 0.0) if found_inf is None
+               else found_inf)
+    if which == 1 or kind == "lars":
+        out["grad_mult"] = t.operand(p.device, compute_dtype(p.dtype), 1.0) \
+            if grad_mult is None else grad_mult
+    if which == 2:
+        out.update(_lr_args(lr, p.device))
+    return out
 
 
 def host_lr(lr, device):
@@ -162,15 +174,17 @@ def host_lr(lr, device):
     return lr
 
 
-def _lr_args(lr, device) -> tuple[dict, bool]:
-    """``lr``, ``lr_ptr`` and whether the flag LR_TENSOR is set, for a pass-2 launch (Note [runtime
-    flags]): a tensor lr on the params' device as float64 there (exact from any floating dtype; a
-    device-side cast at most, never a host copy), a number lr or a CPU tensor lr of CUDA params
-    (read on the host, Note [CPU tensor lr]) in ``lr`` with a 0 in ``lr_ptr``."""
+def _lr_args(lr, device) -> dict:
+    """``lr``, ``lr_ptr`` and the flag LR_TENSOR (``lr_flag``, or-ed into ``flags`` at the launch)
+    of a pass-2 launch (Note [runtime flags]): a tensor lr on the params' device as float64 there
+    (exact from any floating dtype; a device-side cast at most, never a host copy), a number lr
+    or a CPU tensor lr of CUDA params (read on the host, Note [CPU tensor lr]) in ``lr`` with a 0
+    in ``lr_ptr``."""
     lr = host_lr(lr, device)
     if isinstance(lr, torch.Tensor):
-        return dict(lr=0.0, lr_ptr=lr.to(device=device, dtype=torch.float64)), True
-    return dict(lr=lr, lr_ptr=_k().tables.operand(device, torch.float64, 0.0)), False
+        return dict(lr=0.0, lr_ptr=lr.to(device=device, dtype=torch.float64),
+                    lr_flag=_k().tables.LR_TENSOR)
+    return dict(lr=float(lr), lr_ptr=_k().tables.operand(device, torch.float64, 0.0), lr_flag=0)
 
 
 def tables_of(lists: Lists, store, keys=None) -> list:
@@ -179,16 +193,15 @@ def tables_of(lists: Lists, store, keys=None) -> list:
     return _k().tables.tables(list(lists), store, keys=keys)
 
 
-def pass1_launches(kind: str, lists: Lists, hyper, grad_mult, found_inf, sums,
-                   tabs) -> list:
-    """The ``(kernel, table, kwargs)`` of pass 1 over ``tabs`` (Note [runtime flags])."""
+def pass1_launches(kind: str, lists: Lists, hyper, sums, tabs) -> list:
+    """The ``(kernel, table, kwargs)`` of pass 1 over ``tabs`` into ``sums``, without the
+    runtime operands (:func:`_runtime`)."""
     k, t, h = _k(), _k().tables, _values(kind, hyper)
     cd = sums.dtype
     out = []
     for table in tabs:
-        kw = dict(_common(lists, table, found_inf), partials=table.partials(cd),
-                  counters=table.counters, sums=sums, grad_mult=_grad_mult(lists, grad_mult),
-                  G_DTYPE=k.dtype[lists[1][0].dtype], RBLOCK=t.REDUCE_BLOCK)
+        kw = dict(_common(lists, table), partials=table.partials(cd), counters=table.counters,
+                  sums=sums, G_DTYPE=k.dtype[lists[1][0].dtype], RBLOCK=t.REDUCE_BLOCK)
         if kind == "lamb":
             kernel = k.lamb.lamb_pass1_kernel
             kw.update(LOWP=table.lowp, beta1=h["beta1"], beta2=h["beta2"], beta3=h["beta3"],
@@ -202,34 +215,43 @@ def pass1_launches(kind: str, lists: Lists, hyper, grad_mult, found_inf, sums,
     return out
 
 
-def pass2_launches(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_inf,
-                   tabs) -> list:
-    """The ``(kernel, table, kwargs)`` of pass 2 over ``tabs``; ``lr`` a tensor lr or None."""
+def pass2_launches(kind: str, lists: Lists, hyper, tabs) -> list:
+    """The ``(kernel, table, kwargs)`` of pass 2 over ``tabs``, without the runtime operands and
+    the sums (given at the launch)."""
     k, t, h = _k(), _k().tables, _values(kind, hyper)
-    dev = lists[0][0].device
-    lr_kw, lr_tensor = _lr_args(lr if isinstance(lr, torch.Tensor) else h["lr"], dev)
+    on = {name: h[field] != 0 for name, field in (
+        ("BIAS_CORRECTION", "bias_correction"), ("ADAPT", "adapt"), ("BOUNDED", "bounded"),
+        ("COMBINED", "combined"), ("TRUST_CLIP", "trust_clip"), ("NESTEROV", "nesterov"),
+        ("LR_IN_MOMENTUM", "lr_in_momentum")) if field in h}
     out = []
     for table in tabs:
-        kw = dict(_common(lists, table, found_inf), sums=sums, LOWP=table.lowp, **lr_kw)
-        on = {name: h[field] != 0 for name, field in (
-            ("BIAS_CORRECTION", "bias_correction"), ("ADAPT", "adapt"), ("BOUNDED", "bounded"),
-            ("COMBINED", "combined"), ("TRUST_CLIP", "trust_clip"), ("NESTEROV", "nesterov"),
-            ("LR_IN_MOMENTUM", "lr_in_momentum")) if field in h}
+        kw = dict(_common(lists, table), LOWP=table.lowp, flags=t.flags(**on))
         if kind == "lamb":
             kernel = k.lamb.lamb_pass2_kernel
             kw.update(beta1=h["beta1"], beta2=h["beta2"], beta3=h["beta3"],
                       one_minus_beta2=h["one_minus_beta2"], eps=h["eps"],
                       lambda_in_u=h["lambda_in_u"], decoupled_wd=h["decoupled_lambda"],
-                      ratio_lo=h["ratio_lo"], ratio_hi=h["ratio_hi"],
-                      flags=t.flags(LR_TENSOR=lr_tensor, **on))
+                      ratio_lo=h["ratio_lo"], ratio_hi=h["ratio_hi"])
         else:
             kernel = k.lars.lars_pass2_kernel
-            kw.update(grad_mult=_grad_mult(lists, grad_mult), G_DTYPE=k.dtype[lists[1][0].dtype],
-                      momentum=h["momentum"], one_minus_dampening=h["one_minus_dampening"],
+            kw.update(G_DTYPE=k.dtype[lists[1][0].dtype], momentum=h["momentum"],
+                      one_minus_dampening=h["one_minus_dampening"],
                       weight_decay=h["weight_decay"], trust_coefficient=h["trust_coefficient"],
-                      eps=h["eps"], flags=t.flags(LR_TENSOR=lr_tensor, **on))
+                      eps=h["eps"])
         out.append((kernel, table, kw))
     return out
+
+
+def launch_all(launches: list, **runtime) -> None:
+    """Launch each ``(kernel, table, kwargs)`` with ``runtime`` added (``lr_flag`` or-ed into
+    ``flags``)."""
+    t = _k().tables
+    lr_flag = runtime.pop("lr_flag", 0)
+    for kernel, table, kw in launches:
+        args = kw | runtime
+        if lr_flag:
+            args["flags"] = kw["flags"] | lr_flag
+        t.launch(kernel, table, **args)
 
 
 def sq_tables_of(tensors: list[torch.Tensor], store) -> list:
@@ -255,36 +277,10 @@ def _sums(lists: Lists) -> torch.Tensor:
     return torch.empty(len(lists[0]), 2, dtype=compute_dtype(p.dtype), device=p.device)
 
 
-def run_pass1(kind: str, lists: Lists, hyper, grad_mult, found_inf, store,
-              tabs=None, keys=None) -> torch.Tensor:
-    """Pass 1 of ``kind`` over a bucket's lists: one launch per table; returns the ``[n, 2]``
-    sums."""
-    sums = _sums(lists)
-    tabs = tables_of(lists, store, keys) if tabs is None else tabs
-    for kernel, table, kw in pass1_launches(kind, lists, hyper, grad_mult, found_inf, sums, tabs):
-        _k().tables.launch(kernel, table, **kw)
-    return sums
-
-
-def run_pass2(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_inf,
-              store, tabs=None, keys=None) -> None:
-    tabs = tables_of(lists, store, keys) if tabs is None else tabs
-    for kernel, table, kw in pass2_launches(kind, lists, hyper, lr, sums.contiguous(), grad_mult,
-                                            found_inf, tabs):
-        _k().tables.launch(kernel, table, **kw)
-
-
-def run_sq_norms(tensors: list[torch.Tensor], store, tabs=None) -> torch.Tensor:
-    """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied);
-    ``tabs``: the tables of a bucket's grads (dense, of one dtype), found for this step."""
+def run_sq_norms(tensors: list[torch.Tensor], store) -> torch.Tensor:
+    """Per-tensor Σx², one launch per dtype present (a tensor that is not dense is copied)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    if tabs is not None:
-        out = torch.empty(len(tensors), dtype=compute_dtype(tensors[0].dtype),
-                          device=tensors[0].device)
-        for kernel, table, kw in sq_norms_launches(tensors, out, tabs):
-            _k().tables.launch(kernel, table, **kw)
-        return out
     out_dtype = torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
     out = torch.empty(len(tensors), dtype=out_dtype, device=tensors[0].device)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -295,8 +291,7 @@ def run_sq_norms(tensors: list[torch.Tensor], store, tabs=None) -> torch.Tensor:
                  for i in idx]
         part = out if len(by_dtype) == 1 and compute_dtype(dtype) == out_dtype else torch.empty(
             len(group), dtype=compute_dtype(dtype), device=out.device)
-        for kernel, table, kw in sq_norms_launches(group, part, sq_tables_of(group, store)):
-            _k().tables.launch(kernel, table, **kw)
+        launch_all(sq_norms_launches(group, part, sq_tables_of(group, store)))
         if part is not out:
             out[torch.tensor(idx, device=out.device)] = part.to(out_dtype)
     return out
@@ -326,29 +321,51 @@ def specialization_key(kernel, table, kw: dict) -> tuple:
                   for k, v in kw.items() if isinstance(v, torch.Tensor)))
 
 
-def compile_step(kind: str, lists: Lists, hyper, clip: bool, store, tabs=None,
-                 sq_tabs=None, keys=None) -> None:
-    """Compile every kernel a step of ``kind`` launches over ``lists`` before any runs, so that a
-    compile failure changes nothing. The launches of a step are declared by the ``*_launches``
-    functions; a specialization is the kernel, its constexprs, the dtypes of its tensor
-    arguments and whether each is 16-byte aligned (Triton specializes on it, except on the
-    scalar operands: Note [scalar operands] in kernels/tables.py), each compiled once per
-    process (a no-op under the interpreter)."""
+@dataclass
+class StepLaunches:
+    """Every launch of one step over a bucket's lists, built once per step (:func:`step_launches`):
+    the ``(kernel, table, kwargs)`` of pass 1 (into ``sums``), of pass 2, and of the grads' norms
+    (into ``grad_sq``; empty without global clipping). The runtime operands (:func:`_runtime`)
+    and pass 2's sums are added at the launch."""
+
+    pass1: list
+    pass2: list
+    sq: list
+    sums: torch.Tensor
+    grad_sq: torch.Tensor | None = None
+
+
+def step_launches(kind: str, lists: Lists, hyper, clip: bool, store, tabs=None, sq_tabs=None,
+                  keys=None) -> StepLaunches:
+    """The launches of a step of ``kind`` over ``lists``, every kernel of them compiled before any
+    runs, so that a compile failure changes nothing. A specialization is the kernel, its
+    constexprs, the dtypes of its tensor arguments and whether each is 16-byte aligned (Triton
+    specializes on it, except on the scalar operands: Note [scalar operands] in
+    kernels/tables.py), each compiled once per process (a no-op under the interpreter); the
+    runtime operands of a step without them (a grad_mult of 1, a found_inf of 0, a number lr)
+    stand in for this step's."""
     t = _k().tables
     tabs = tables_of(lists, store, keys) if tabs is None else tabs
     sums = _sums(lists)
-    launches = (pass1_launches(kind, lists, hyper, None, None, sums, tabs)
-                + pass2_launches(kind, lists, hyper, None, sums, None, None, tabs))
+    out = StepLaunches(pass1_launches(kind, lists, hyper, sums, tabs),
+                       pass2_launches(kind, lists, hyper, tabs), [], sums)
     if clip:
         grads = lists[1]
-        launches += sq_norms_launches(grads, torch.empty(
-            len(grads), dtype=compute_dtype(grads[0].dtype), device=grads[0].device),
-            sq_tables_of(grads, store) if sq_tabs is None else sq_tabs)
-    for kernel, table, kw in launches:
-        key = specialization_key(kernel, table, kw)
-        if key not in _compiled:
-            t.compile_only(kernel, table, **kw)
-            _compiled.add(key)
+        out.grad_sq = torch.empty(len(grads), dtype=compute_dtype(grads[0].dtype),
+                                  device=grads[0].device)
+        out.sq = sq_norms_launches(grads, out.grad_sq,
+                                   sq_tables_of(grads, store) if sq_tabs is None else sq_tabs)
+    stand_in2 = _runtime(kind, lists, 2, None, None, lr=0.0)
+    del stand_in2["lr_flag"]
+    for launches, stand_in in ((out.pass1, _runtime(kind, lists, 1, None, None)),
+                               (out.pass2, dict(sums=sums, **stand_in2)), (out.sq, {})):
+        for kernel, table, kw in launches:
+            args = kw | stand_in
+            key = specialization_key(kernel, table, args)
+            if key not in _compiled:
+                t.compile_only(kernel, table, **args)
+                _compiled.add(key)
+    return out
 
 
 def _lists(b: Bucket) -> Lists:
@@ -388,33 +405,15 @@ class TritonBackend(Backend):
             return interpreter_reason()
         return f"Triton kernels need a CUDA device, not {device.type}"
 
-    @staticmethod
-    def _tables(b: Bucket):
-        """The tables of the step's passes, found (or built) once per step, at its first use
-        after the checks (prepare), and kept in ``b.scratch`` for the passes."""
-        tabs = b.scratch.get("tables")
-        if tabs is None:
-            tabs = b.scratch["tables"] = tables_of(_lists(b), _store(b.workspace), _keys(b))
-        return tabs
-
-    @staticmethod
-    def _sq_tables(b: Bucket):
-        """The same for the tables of the grads' norms."""
-        tabs = b.scratch.get("sq_tables")
-        if tabs is None:
-            tabs = b.scratch["sq_tables"] = sq_tables_of(b.grads, _store(b.workspace))
-        return tabs
-
     def end(self, b: Bucket) -> None:
-        b.scratch.pop("tables", None)
-        b.scratch.pop("sq_tables", None)
+        b.scratch.pop("launches", None)
 
     def prepare(self, b: Bucket, kind: str, h, has_grad_mult: bool, has_found_inf: bool,
                 clip: bool) -> None:
         if not torch.compiler.is_compiling():  # Note [triton operators]: pass 1's operator does
             host_lr(h.lr, b.device)  # Note [CPU tensor lr]: refused in a capture before a launch
-            compile_step(kind, _lists(b), h, clip, _store(b.workspace), self._tables(b),
-                         self._sq_tables(b) if clip else None)
+            b.scratch["launches"] = step_launches(kind, _lists(b), h, clip, _store(b.workspace),
+                                                  keys=_keys(b))
 
     def sq_norms(self, tensors):
         return run_sq_norms(list(tensors), None)
@@ -422,7 +421,11 @@ class TritonBackend(Backend):
     def grad_sq_norms(self, b: Bucket) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.fusedopt.triton_sq_norms(b.grads, *_ids(b))
-        return run_sq_norms(b.grads, _store(b.workspace), self._sq_tables(b))
+        launches = b.scratch["launches"]
+        if not launches.sq:  # skip_nonfinite without global clipping
+            return run_sq_norms(b.grads, _store(b.workspace))
+        launch_all(launches.sq)
+        return launches.grad_sq
 
     def pass1(self, kind, b: Bucket, h, hyper, grad_mult, found_inf):
         lists = _lists(b)
@@ -432,8 +435,9 @@ class TritonBackend(Backend):
             if kind == "lamb":
                 return op(*_op_lists(lists), hyper, grad_mult, found_inf, b.keys, *_ids(b))
             return op(*_op_lists(lists), hyper, grad_mult, found_inf, *_ids(b))
-        return run_pass1(kind, lists, h, grad_mult, found_inf, _store(b.workspace),
-                         self._tables(b))
+        launches = b.scratch["launches"]
+        launch_all(launches.pass1, **_runtime(kind, lists, 1, grad_mult, found_inf))
+        return launches.sums
 
     def pass2(self, kind, b: Bucket, h, hyper, sums, grad_mult, found_inf):
         lists, lr = _lists(b), (h.lr if isinstance(h.lr, torch.Tensor) else None)
@@ -443,8 +447,8 @@ class TritonBackend(Backend):
                                                             found_inf, b.keys, *_ids(b))
             return torch.ops.fusedopt.triton_lars_pass2(*_op_lists(lists), sums, hyper, lr,
                                                         grad_mult, found_inf, *_ids(b))
-        run_pass2(kind, lists, h, lr, sums, grad_mult, found_inf, _store(b.workspace),
-                  self._tables(b))
+        launch_all(b.scratch["launches"].pass2, sums=sums.contiguous(),
+                   **_runtime(kind, lists, 2, grad_mult, found_inf, lr=h.lr))
 
 
 # ------------------------------------------------------------------------ operators
@@ -481,6 +485,30 @@ def _sums_fake(params, *_):
     return params[0].new_empty((len(params), 2), dtype=cd)
 
 
+def _op_pass1(kind: str, lists: Lists, hyper, grad_mult, found_inf, cache_id: int, slot: str,
+              keys=None) -> torch.Tensor:
+    """Pass 1's operator: every kernel of the step compiled, then pass 1; the step's pass-2
+    launches are kept in the bucket's workspace for pass 2's operator, which the graph calls next
+    for this bucket."""
+    work = _workspace_of(cache_id, slot)
+    launches = step_launches(kind, lists, hyper, False, _store(work), keys=keys)
+    if work is not None:
+        work["pass2"] = launches.pass2
+    launch_all(launches.pass1, **_runtime(kind, lists, 1, grad_mult, found_inf))
+    return launches.sums
+
+
+def _op_pass2(kind: str, lists: Lists, hyper, lr, sums, grad_mult, found_inf, cache_id: int,
+              slot: str, keys=None) -> None:
+    work = _workspace_of(cache_id, slot)
+    launches = None if work is None else work.pop("pass2", None)
+    if launches is None:
+        launches = pass2_launches(kind, lists, hyper, tables_of(lists, _store(work), keys))
+    lr = _values(kind, hyper)["lr"] if lr is None else lr
+    launch_all(launches, sums=sums.contiguous(),
+               **_runtime(kind, lists, 2, grad_mult, found_inf, lr=lr))
+
+
 @torch.library.custom_op("fusedopt::triton_lamb_pass1",
                          mutates_args=("exp_avgs", "exp_avg_sqs", "steps"))
 def _lamb_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -489,10 +517,8 @@ def _lamb_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    hyper: torch.Tensor, grad_mult: Optional[torch.Tensor],
                    found_inf: Optional[torch.Tensor], keys: Optional[torch.Tensor], cache_id: int,
                    slot: str) -> torch.Tensor:
-    lists, store = _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps), \
-        _store_of(cache_id, slot)
-    compile_step("lamb", lists, hyper, False, store, keys=keys)
-    return run_pass1("lamb", lists, hyper, grad_mult, found_inf, store, keys=keys)
+    return _op_pass1("lamb", _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps),
+                     hyper, grad_mult, found_inf, cache_id, slot, keys)
 
 
 @torch.library.custom_op("fusedopt::triton_lamb_pass2", mutates_args=("params", "masters"))
@@ -502,8 +528,8 @@ def _lamb_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    hyper: torch.Tensor, lr: Optional[torch.Tensor],
                    found_inf: Optional[torch.Tensor], keys: Optional[torch.Tensor], cache_id: int,
                    slot: str) -> None:
-    run_pass2("lamb", _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps), hyper, lr,
-              sums, None, found_inf, _store_of(cache_id, slot), keys=keys)
+    _op_pass2("lamb", _from_op(params, grads, masters, exp_avgs, exp_avg_sqs, steps), hyper, lr,
+              sums, None, found_inf, cache_id, slot, keys)
 
 
 @torch.library.custom_op("fusedopt::triton_lars_pass1", mutates_args=("steps",))
@@ -512,10 +538,8 @@ def _lars_pass1_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    steps: list[torch.Tensor], hyper: torch.Tensor,
                    grad_mult: Optional[torch.Tensor], found_inf: Optional[torch.Tensor],
                    cache_id: int, slot: str) -> torch.Tensor:
-    lists, store = _from_op(params, grads, masters, momentum_buffers, None, steps), \
-        _store_of(cache_id, slot)
-    compile_step("lars", lists, hyper, False, store)
-    return run_pass1("lars", lists, hyper, grad_mult, found_inf, store)
+    return _op_pass1("lars", _from_op(params, grads, masters, momentum_buffers, None, steps),
+                     hyper, grad_mult, found_inf, cache_id, slot)
 
 
 @torch.library.custom_op("fusedopt::triton_lars_pass2",
@@ -525,8 +549,8 @@ def _lars_pass2_op(params: list[torch.Tensor], grads: list[torch.Tensor],
                    steps: list[torch.Tensor], sums: torch.Tensor, hyper: torch.Tensor,
                    lr: Optional[torch.Tensor], grad_mult: Optional[torch.Tensor],
                    found_inf: Optional[torch.Tensor], cache_id: int, slot: str) -> None:
-    run_pass2("lars", _from_op(params, grads, masters, momentum_buffers, None, steps), hyper, lr,
-              sums, grad_mult, found_inf, _store_of(cache_id, slot))
+    _op_pass2("lars", _from_op(params, grads, masters, momentum_buffers, None, steps), hyper, lr,
+              sums, grad_mult, found_inf, cache_id, slot)
 
 
 _lamb_pass1_op.register_fake(_sums_fake)
