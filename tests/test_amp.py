@@ -136,30 +136,6 @@ def test_grad_scaler_trains_and_skips_inf_steps(backend, kind, clip):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
-def test_grad_scale_is_undone_inside_the_step(backend, kind):
-    """opt.grad_scale = s with grads times s gives the step of the unscaled grads."""
-    results = []
-    for scale in (None, 2.0**10):
-        torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s)) for s in [(5, 4), (9,), (0,)]]
-        opt = optimizer(kind, ps, backend=backend, max_grad_norm=0.3)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            grads = [torch.randn(p.shape, generator=gen) for p in ps]
-            for p, g in zip(ps, grads):
-                p.grad = g if scale is None else g * scale
-            grads_seen = [p.grad.clone() for p in ps]
-            opt.grad_scale = None if scale is None else torch.tensor(scale)
-            opt.found_inf = torch.tensor(0.0)
-            opt.step()
-            assert all(torch.equal(g, p.grad) for g, p in zip(grads_seen, ps))
-        results.append([p.detach().clone() for p in ps])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_tensor_lr_equals_float_lr(backend, kind):
     """A float64 tensor lr gives the float lr's result bit for bit; a float32 one, holding the lr
     rounded to float32, within that rounding."""

@@ -937,12 +937,15 @@ def test_barrier_misuse_is_a_launch_failure(fresh, which, message):
 SHAPES = [(3, 5), (7,), (0,), (1,), (33,), (2, 3, 4), (4101,), (16,)]
 ZERO_WEIGHT, ZERO_GRAD = 7, 5
 
-# the option cases without max_grad_norm (the clipping divisor is grad_mult here: see below)
-LAMB_FLAG_CASES = {k: v for k, v in option_cases("lamb").items() if "max_grad_norm" not in v}
+# the option cases without max_grad_norm (the clipping divisor is grad_mult here: see below),
+# but "default": test_dtypes' fp32 rows run it
+LAMB_FLAG_CASES = {k: v for k, v in option_cases("lamb").items()
+                   if "max_grad_norm" not in v and k != "default"}
 LAMB_FLAG_CASES["bounds_clamped"] = dict(trust_ratio_bounds=(1.5, 2.0))
 LAMB_FLAG_CASES["decoupled_no_bias_correction"] = dict(decoupled_weight_decay=True,
                                                        weight_decay=0.1, bias_correction=False)
-LARS_FLAG_CASES = {k: v for k, v in option_cases("lars").items() if "max_grad_norm" not in v}
+LARS_FLAG_CASES = {k: v for k, v in option_cases("lars").items()
+                   if "max_grad_norm" not in v and k != "default"}
 LARS_FLAG_CASES["combined_trust_clip_nesterov"] = dict(denominator="combined", trust_clip=True,
                                                        trust_coefficient=1.0, nesterov=True,
                                                        weight_decay=1e-2)

@@ -823,6 +823,34 @@ def test_a_damaged_8bit_state_dict_is_refused_before_anything_changes(damage, me
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("saved, loading, damage, message", [
+    ("full", "full", lambda st: st.update(exp_avg="m"), "state 'exp_avg' is str, not a tensor"),
+    ("full", "full", lambda st: st.update(exp_avg=st["exp_avg"].to(torch.int32)),
+     "state 'exp_avg' is torch.int32; a moment is a float tensor"),
+    ("full", "full", lambda st: st.update(master_param=torch.zeros(3)),
+     "state 'master_param' has shape \\(3,\\), the param \\(40, 103\\)"),
+    ("full", "bf16", lambda st: st.pop("exp_avg_sq"),
+     "state has \\['exp_avg'\\] but not \\['exp_avg_sq'\\]"),
+    ("8bit", "full", lambda st: st.update(exp_avg_sq=torch.zeros(40, 103)),
+     "exp_avg and exp_avg_sq are read together"),
+], ids=["not_a_tensor", "int_moment", "master_shape", "one_moment", "half_8bit"])
+def test_a_state_dict_that_cannot_be_read_is_refused_before_anything_changes(saved, loading,
+                                                                             damage, message):
+    """What load_state_dict cannot read or convert (a moment that is not a float tensor, a
+    master of another shape, one moment of two, an 8-bit exp_avg without its 8-bit exp_avg_sq)
+    raises naming the param and the key, and nothing changes."""
+    shapes = ((8, 512), (40, 103))
+    params, opt = _run("lamb", "cpp", loading, steps=2, shapes=shapes, state_min_numel=0)
+    before = _state_bytes(opt, params)
+    _, other = _run("lamb", "cpp", saved, steps=2, shapes=shapes, state_min_numel=0)
+    sd = copy.deepcopy(other.state_dict())
+    damage(sd["state"][1])
+    with pytest.raises((ValueError, TypeError), match=f"param 1 of the state dict: .*{message}"):
+        opt.load_state_dict(sd)
+    for (k, a), (_, b) in zip(before, _state_bytes(opt, params)):
+        assert torch.equal(a, b), k
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_moment_that_cannot_be_converted_is_refused_before_anything_changes(precision):
     """A full moment of another shape (same size or not) is refused, naming the param and the

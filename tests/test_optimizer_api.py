@@ -481,7 +481,8 @@ def test_cached_lists_follow_an_edited_params_list(kind):
     assert opt.state[new_w]["step"].item() == 1
 
 
-@pytest.mark.parametrize("reset", ["del_state", "new_state_dict", "new_mapping", "cleared"])
+@pytest.mark.parametrize("reset", ["del_state", "new_state_dict", "updated", "set_by_default",
+                                   "new_mapping", "cleared"])
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp")))
 @pytest.mark.parametrize("kind", KINDS)
 def test_cached_lists_see_a_state_reset_by_hand(kind, backend, reset):
@@ -497,6 +498,11 @@ def test_cached_lists_see_a_state_reset_by_hand(kind, backend, reset):
         del opt.state[w]
     elif reset == "new_state_dict":
         opt.state[w] = {}
+    elif reset == "updated":
+        opt.state.update({w: {}})
+    elif reset == "set_by_default":
+        opt.state.pop(w)
+        assert opt.state.setdefault(w) == {}
     elif reset == "new_mapping":
         opt.state = collections.defaultdict(dict)
     else:
@@ -505,7 +511,7 @@ def test_cached_lists_see_a_state_reset_by_hand(kind, backend, reset):
     train(opt, m, 1)
     assert opt.state[w]["step"].item() == 1
     assert opt.state[w][key].abs().sum() > 0
-    if reset in ("del_state", "new_state_dict"):
+    if reset not in ("new_mapping", "cleared"):
         assert opt.state[m[0].bias]["step"].item() == 3
         return
     train(OPTS[kind](fresh.parameters(), backend=backend), fresh, 1)
