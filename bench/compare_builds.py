@@ -32,6 +32,9 @@ CASES = {
     "200 x 5,000 LAMB, eager, 8-bit state": ("lamb", "mid", False, "8bit", "eager"),
     "16 x 256x256x3x3 channels_last LAMB, bf16 state": ("lamb", "conv", False, "bf16", "cpp"),
     "2000 x 16x16x3x3 channels_last LAMB": ("lamb", "small conv", False, "full", "cpp"),
+    # two tensors of 2^19 elements, which stay in the caches: the step's arithmetic alone
+    "resident LAMB": ("lamb", "resident", False, "full", "cpp"),
+    "resident LAMB, 8-bit state": ("lamb", "resident", False, "8bit", "cpp"),
 }
 
 CHILD = r'''
@@ -60,7 +63,8 @@ for name, (kind, shapes_name, flat, precision, backend) in cases.items():
     shapes = {"bert": bert_base_shapes, "small": lambda: [(2500,)] * 4000,
               "tiny": lambda: [(64,)] * 4000, "mid": lambda: [(5000,)] * 200,
               "conv": lambda: [(256, 256, 3, 3)] * 16,
-              "small conv": lambda: [(16, 16, 3, 3)] * 2000}[shapes_name]()
+              "small conv": lambda: [(16, 16, 3, 3)] * 2000,
+              "resident": lambda: [(1 << 19,)] * 2}[shapes_name]()
     layout = torch.channels_last if "conv" in shapes_name else torch.contiguous_format
     params = [torch.nn.Parameter((torch.randn(s) * 0.02).to(memory_format=layout))
               for s in shapes]
