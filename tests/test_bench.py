@@ -1,12 +1,15 @@
 """The benchmark harness prints its table (timings themselves are not asserted: they live in bench/)."""
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import fusedopt
 from fusedopt.tools import bench
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_bench_prints_the_table(capsys):
@@ -89,3 +92,28 @@ def test_quick_bench_prints_the_joint_per_element_ratios(capsys):
     # the flattened rows are timed in the small set's table, not in the bert-like one
     tables = out.split("\n\n")
     assert "(flattened params)" in tables[2] and "(flattened params)" not in tables[1], out
+
+
+def test_sweep_formats_compares_the_formats_seed_by_seed(tmp_path, capsys, monkeypatch):
+    """bench/sweep_formats.py: reached counts, the median and quartiles with the seeds that did
+    not reach the target ranked slowest, and the tests against the first sweep."""
+    import json
+    import runpy
+    import sys
+
+    def sweep(name, steps):
+        runs = [{"status": "reached" if s else "not reached", "steps": s or 85} for s in steps]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text(
+            json.dumps({"results": {"lamb": {"1024": {"runs": runs}}}}))
+        return str(tmp_path / name)
+
+    folders = [sweep("a", [10, 20, 30, 40]), sweep("b", [10, 20, 30, None]),
+               sweep("c", [None, None, None, None])]
+    monkeypatch.setattr(sys, "argv", ["sweep_formats.py", *folders])
+    runpy.run_path(str(ROOT / "bench" / "sweep_formats.py"), run_name="__main__")
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [[c.strip() for c in r[2:5]] for r in rows] == [
+        ["a", "4/4", "25 [17.5-32.5]"], ["b", "3/4", "25 [17.5->cap]"],
+        ["c", "0/4", ">cap [>cap->cap]"]]
+    assert rows[0][5].strip() == "" and rows[2][5].strip().startswith("0.03, ")  # Fisher: 2/70
