@@ -54,8 +54,9 @@ def step_once(name: str, inputs, *cmd: str) -> None:
 def setup() -> None:
     if not PY.exists():
         sh(sys.executable, "-m", "venv", str(VENV))
-    # --no-compile: Python compiles a module when first imported, so only what runs is compiled
-    # (pip would compile every file of torch, jax and transformers at install)
+    # --no-compile: pip compiles the installed files one at a time; they are compiled below, on
+    # every core, once (the test workers, ranks and CLI processes would otherwise each compile the
+    # modules they import before a .pyc exists)
     pip = (str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile")
     step_once("torch", [], *pip, *shlex.split(TORCH))
     step_once("deps", [ROOT / "requirements-dev.txt"], *pip, "-r", "requirements-dev.txt")
@@ -63,6 +64,11 @@ def setup() -> None:
     # they pull torchvision, which needs (and would install) a torch other than ours.
     step_once(TIMM, [], *pip, "--no-deps", TIMM)  # the pin names the stamp
     step_once("-".join(PEERS), [], *pip, "--no-deps", *PEERS)
+    # compile_dir goes on past a file that does not compile (some packages ship templates named
+    # .py), as pip's own compile step does
+    step_once("bytecode", [ROOT / "requirements-dev.txt"], str(PY), "-c",
+              "import compileall, sysconfig; compileall.compile_dir("
+              "sysconfig.get_paths()['purelib'], quiet=2, workers=0)")
     sources = [ROOT / "setup.py", ROOT / "pyproject.toml", *ROOT.glob("csrc/**/*.*")]
     step_once("project", sources, *pip, "--no-build-isolation", "-e", ".")
 
