@@ -84,10 +84,9 @@ def main() -> int:
     elif job == "bench":
         cmd = [str(PY), "-m", "fusedopt.tools.bench", *args]
     else:
-        # the 25 slowest tests are listed (setup, where the builds happen, counted apart); the
-        # files go to the workers in collection order, the longest first (tests/conftest.py)
-        cmd = [str(PY), "-m", "pytest", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
-               "-q", "--durations=25", *args]
+        # the 25 slowest tests are listed (setup, where the builds happen, counted apart)
+        cmd = [str(PY), "-m", "pytest", "-n", "2", "--dist", "loadfile", "-q", "--durations=25",
+               *args]
     print("+", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT)
 
