@@ -89,7 +89,7 @@ def check_step(optimizer) -> None:
     :func:`fusedopt.distributed.enable_deepspeed_zero`."""
     name = type(optimizer).__name__
     parent = optimizer._zero_parent
-    if parent is not None and optimizer._reducer is None and parent() is not None:
+    if parent is not None and optimizer._sharding.reducer is None and parent() is not None:
         what = ("clips (max_grad_norm)" if any(g.get("max_grad_norm") is not None
                                                for g in optimizer.param_groups)
                 else "skips non-finite steps (skip_nonfinite)" if optimizer.skip_nonfinite
@@ -100,7 +100,7 @@ def check_step(optimizer) -> None:
                 "rank would decide by the norm of its own params' gradients; call "
                 "fusedopt.distributed.enable_zero_global_clipping(zero_optimizer) once, on every "
                 "rank, before the first step (nothing was changed)")
-    if not optimizer._partitions:
+    if not optimizer._sharding.partitions:
         kind = deepspeed_caller(optimizer)
         if kind is not None:
             raise RuntimeError(
@@ -115,14 +115,14 @@ def check_params(optimizer, gi: int, ps: list) -> None:
     carry the mark of FSDP1 without :func:`fusedopt.distributed.enable_fsdp1`, or of a ZeRO-3
     partition without :func:`fusedopt.distributed.enable_deepspeed_zero`."""
     name = type(optimizer).__name__
-    if not optimizer._numels and any(map(getattr, ps, repeat(FSDP1_MARK), repeat(False))):
+    if not optimizer._sharding.wholes and any(map(getattr, ps, repeat(FSDP1_MARK), repeat(False))):
         raise RuntimeError(
             f"{name}: param group {gi} holds params that FullyShardedDataParallel (FSDP1) "
             "flattened: each rank's piece of a tensor would get its own trust ratio; call "
             "fusedopt.distributed.enable_fsdp1(model, optimizer) once, on every rank, after "
             "wrapping the model and building the optimizer (use_orig_params=True; nothing was "
             "changed)")
-    if not optimizer._partitions and any(map(hasattr, ps, repeat(ZERO3_MARK))):
+    if not optimizer._sharding.partitions and any(map(hasattr, ps, repeat(ZERO3_MARK))):
         raise RuntimeError(
             f"{name}: param group {gi} holds a flat partition of DeepSpeed ZeRO-3 (many tensors: "
             "stepped as it is, it would get one trust ratio); call "
@@ -131,7 +131,7 @@ def check_params(optimizer, gi: int, ps: list) -> None:
 
 
 def check_partition_options(group: dict[str, Any]) -> None:
-    """Options that a group of flat partitions (Note [flat partitions]) cannot take."""
+    """Options that a group of flat partitions (Note [flat partitions] in fusedopt/_sharding.py) cannot take."""
     if group["max_grad_norm"] is not None:
         raise ValueError("max_grad_norm cannot clip flat partitions by the global norm "
                          "(DeepSpeed steps each param group on its own); set DeepSpeed's "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from . import lowp
 from ._bucket import compute_dtype
 from ._bucket import local as _local
+from ._state import state_format
 from .flat import _dense_layout, laid_out_as
 
 _SUFFIXES = (lowp.BLOCKS_SUFFIX, lowp.V1_SUFFIX)
@@ -99,7 +101,7 @@ def prepare_param(opt, group: dict[str, Any], saved_group: dict[str, Any], p: to
     moments = {k: _saved_moment(opt, saved, k, p, where) for k in opt._state_keys
                if saved.get(k) is not None}
     if moments:
-        fmt = opt._state_format(group, p)
+        fmt = state_format(group, p, opt._sharding.wholes.get(id(p)))
         if all(f == fmt for f, _ in moments.values()) and len(moments) == len(opt._state_keys):
             for key, (f, value) in moments.items():
                 if f == "8bit":
@@ -196,3 +198,84 @@ def install(opt, prepared: Prepared, saved_ids: list, params: list) -> None:
         st.update(new)
     if prepared.converted:
         _warn(opt, prepared.converted)
+
+
+def read(opt, state_dict: dict[str, Any], own_options: tuple[str, ...]) -> tuple:
+    """What ``load_state_dict``'s last pre-hook reads from ``state_dict``: everything it will
+    install, checked and converted, refusing a state dict before torch's loader changes
+    anything; the options ``own_options`` of the groups, which the loaded groups do not
+    replace."""
+    saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+    params = [(g, p) for g in opt.param_groups for p in g["params"]]
+    counts = _foreign_counts(opt, state_dict)
+    prepared = Prepared()
+    if len(saved_ids) == len(params):  # else torch's loader refuses the state dict
+        saved_groups = {pid: g for g in state_dict["param_groups"] for pid in g["params"]}
+        for pid, (group, p) in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not isinstance(saved, dict):
+                continue
+            where = f"{type(opt).__name__}: param {pid} of the state dict"
+            count = counts.get(pid)
+            if saved.get("step") is not None:
+                count = step_count(saved["step"], where)
+            loaded_group = {**group, **{k: v for k, v in saved_groups[pid].items()
+                                        if k != "params" and k not in own_options}}
+            prepared.state[pid] = prepare_param(
+                opt, group, loaded_group, p, saved, count, where, prepared.converted)
+    own = [{k: g[k] for k in own_options} for g in opt.param_groups]
+    return state_dict, saved_ids, params, prepared, counts, own
+
+
+# Note [foreign step counts]: a saved state whose moments have no step count of their own
+# takes its group's "step" (apex's FusedLAMB and timm's Lamb count there, once per step()).
+# Without one, a LARS momentum buffer counts 1: a buffer means a step was taken, and LARS
+# reads the count only to tell the first step (docs/math.md); LAMB's bias correction needs the
+# count, so such LAMB state is refused. The group's "step" goes once its counts are taken: a
+# count that no step advances would be wrong in every later checkpoint.
+def _foreign_counts(opt, state_dict: dict[str, Any]) -> dict[Any, float]:
+    """Saved param id -> the count of its state, for states that have moments but no count
+    (Note [foreign step counts]); raises ValueError for one that cannot be counted."""
+    counts = {}
+    for g in state_dict["param_groups"]:
+        for pid in g["params"]:
+            saved = state_dict["state"].get(pid)
+            if (not isinstance(saved, dict) or saved.get("step") is not None
+                    or all(saved.get(k) is None for k in opt._state_keys)):
+                continue
+            count = g.get("step", 1 if opt._kind == "lars" else None)
+            if count is None:
+                raise ValueError(f"{type(opt).__name__}: param {pid} of the state dict has "
+                                 "moments but no step count, neither its own nor its param "
+                                 "group's; LAMB's bias correction needs it")
+            counts[pid] = step_count(
+                count, f"{type(opt).__name__}: param group of param {pid} of the state dict")
+    return counts
+
+
+def finish(opt, load: tuple) -> None:
+    """What ``load_state_dict``'s first post-hook does with ``load`` (what :func:`read` read):
+    the loaded groups keep their own options, and the state is installed as the optimizer keeps
+    it."""
+    state_dict, saved_ids, params, prepared, counts, own = load
+    for g, mine, saved_group in zip(opt.param_groups, own, state_dict["param_groups"]):
+        g.update(mine)
+        if not counts.keys().isdisjoint(saved_group["params"]):
+            g.pop("step", None)  # Note [foreign step counts]
+    install(opt, prepared, saved_ids, params)
+
+
+def saved_form(opt, out: dict[str, Any]) -> dict[str, Any]:
+    """The first of ``state_dict``'s post-hooks, so that the user's see the state dict it
+    returns: 8-bit moments as codes and block words, views of the optimizer's state (Note
+    [saved 8-bit state] in lowp.py)."""
+    # entries that are not a param's dict (opt.state["global_step"] = 1) saved as torch does
+    out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
+    params = chain.from_iterable(g["params"] for g in opt.param_groups)
+    for i, p in enumerate(params):
+        st = out["state"].get(i)
+        for key in opt._state_keys if isinstance(st, dict) else ():
+            t = st.get(key)
+            if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
+                st[key], st[key + lowp.BLOCKS_SUFFIX] = lowp.saved_form(t, p)
+    return out

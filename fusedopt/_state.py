@@ -1,4 +1,5 @@
-"""The optimizer's ``state`` mapping, which counts its own edits.
+"""The optimizer's state: the ``state`` mapping, which counts its own edits, and the state
+tensors a param gets at its first step, in its format (Note [flat state]).
 
 Note [list cache] (fusedopt/optim.py) keeps each param group's tensor lists between steps and
 must drop them when a state dict or a state tensor is replaced or removed. :class:`OptimizerState`
@@ -11,8 +12,19 @@ checkpoints carry no fusedopt class.
 """
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any
+
+import torch
+
+from . import lowp
+from ._bucket import compute_dtype
+from ._bucket import local as _local
+from .flat import _aligned_offsets, _dense_layout
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+_STATE_DTYPES = {"bf16": torch.bfloat16, "8bit": torch.uint8}  # of the low-precision formats
 
 
 class _Counter:
@@ -96,3 +108,105 @@ for _name in _EDITS:
     setattr(ParamState, _name, _bumping(_name))
 for _name in ("__delitem__", "pop", "popitem", "clear", "__ior__"):
     setattr(OptimizerState, _name, _bumping(_name))
+
+
+# ---------------------------------------------------------------------------- state tensors
+def alias(buffer: torch.Tensor, offset: int, shape, stride=None) -> torch.Tensor:
+    """A tensor of ``shape`` (contiguous, or of a dense ``stride``) on ``buffer``'s storage from
+    element ``offset`` on: it shares the storage but, unlike a view, has a version counter of its
+    own."""
+    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), offset, shape, *(() if stride is None else (stride,)))
+
+
+def uses_master(group: dict[str, Any], p: torch.Tensor) -> bool:
+    mw = group["master_weights"]
+    return p.dtype in LOW_PRECISION and (mw is None or mw)
+
+
+def state_format(group: dict[str, Any], p: torch.Tensor, whole: int | None) -> str:
+    """The format of the moments of ``p`` (docs/math.md, "Low-precision state"): the group's
+    ``state_precision`` for a param of at least ``state_min_numel`` elements (counted over the
+    whole tensor, ``whole`` elements where ``p`` is a piece of one, also when sharded), else
+    full; a non-contiguous param gets bf16 for 8-bit (the blocks of a packed state hold its
+    elements in row-major order, which the kernels would step through a contiguous copy), and so
+    does a DTensor whose shards are not runs of whole blocks (Note [sharded 8-bit state],
+    lowp.py) and a piece of a tensor (its blocks would start where the piece starts)."""
+    fmt = group["state_precision"]
+    if fmt == "full" or (p.numel() if whole is None else whole) < group["state_min_numel"]:
+        return "full"
+    if fmt == "8bit" and (whole is not None or (
+            not lowp.rows_hold_blocks(p) if hasattr(p, "to_local") else not p.is_contiguous())):
+        return "bf16"
+    return fmt
+
+
+def create(owner: str, state: OptimizerState, keys: tuple[str, ...], group: dict[str, Any],
+           ps: list[torch.Tensor], wholes: dict[int, int]) -> None:
+    """Create the state ``keys`` (and ``step``, and ``master_param`` where the group's
+    ``master_weights`` gives one) of ``ps``, params of ``group`` without state; ``wholes``: id ->
+    the numel of the whole tensor of each param that is a piece of one (``owner``: the
+    optimizer's name, for the warning).
+
+    Note [flat state]: the state of the plain dense params of one (device, dtype) among
+    ``ps`` lives in one buffer per state key: each param's ``exp_avg`` (``exp_avg_sq``,
+    ``momentum_buffer``, ``master_param``) lies in its key's buffer, starting on a 64-byte
+    boundary, and its ``step`` in one float32 buffer. The fused backends then stream each
+    state list as (nearly) one array, and the step counts of thousands of tensors share a
+    few cache lines instead of one allocation each (docs/performance.md measures it). Each
+    is a tensor of its own on the shared storage (``set_``, as ``torch.load`` rebuilds
+    tensors), not a view: it has its own version counter, so a step bumps each written
+    tensor's version once. ``torch.save`` of the whole state dict writes each buffer once and
+    ``torch.load`` restores the sharing; torch.distributed.checkpoint writes each tensor's
+    own elements. Saving one state tensor alone writes its whole buffer (as for a view).
+    Each tensor has its param's strides (a channels_last param's state is channels_last).
+    DTensor shards (sharded training) and params that are not dense (slices with gaps) get
+    tensors of their own.
+    """
+    formats = [state_format(group, p, wholes.get(id(p))) for p in ps]
+    if group["state_precision"] == "8bit" and "bf16" in formats:
+        warnings.warn(f"{owner}: {formats.count('bf16')} param(s) of a group with "
+                      "state_precision='8bit' keep bf16 state: their elements are not "
+                      "contiguous (a transposed or channels_last param), or their shards "
+                      "are not runs of whole 256-element blocks (docs/math.md, "
+                      "\"Low-precision state\")")
+    flat: dict[tuple, list[torch.Tensor]] = {}
+    for p, fmt in zip(ps, formats):
+        if hasattr(p, "to_local") or not _dense_layout(p):
+            _create_own(state[p], keys, group, p, fmt)
+        else:
+            flat.setdefault((p.device, p.dtype, fmt), []).append(p)
+    for (device, dtype, fmt), members in flat.items():
+        numels = [p.numel() for p in members]
+        sdtype = _STATE_DTYPES.get(fmt, compute_dtype(dtype))
+        sizes = [lowp.packed_numel(n) for n in numels] if fmt == "8bit" else numels
+        offsets, total = _aligned_offsets(sizes, sdtype)
+        steps = torch.zeros(len(members), dtype=torch.float32, device=device)
+        buffers = {key: torch.zeros(total, dtype=sdtype, device=device) for key in keys}
+        master = uses_master(group, members[0])  # one dtype: the same for all
+        if master:
+            m_offsets, m_total = ((offsets, total) if fmt == "full"
+                                  else _aligned_offsets(numels, torch.float32))
+            masters = torch.empty(m_total, dtype=torch.float32, device=device)
+        for i, (p, offset, size) in enumerate(zip(members, offsets, sizes)):
+            st = state[p]
+            st["step"] = alias(steps, i, ())
+            # laid out as the param (channels_last, ...): the kernels walk its memory
+            layout = ((size,), None) if fmt == "8bit" else (p.shape, p.stride())
+            for key, buffer in buffers.items():
+                st[key] = alias(buffer, offset, *layout)
+            if master:
+                st["master_param"] = alias(masters, m_offsets[i], p.shape, p.stride())
+                st["master_param"].copy_(p.detach())
+
+
+def _create_own(st: ParamState, keys: tuple[str, ...], group: dict[str, Any], p: torch.Tensor,
+                fmt: str) -> None:
+    """The state of one param in tensors of its own (DTensors, params that are not dense)."""
+    lp = _local(p)
+    cd = compute_dtype(lp.dtype)
+    st["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
+    for key in keys:
+        st[key] = lowp.zeros(lp if fmt == "8bit" else p, fmt, dtype=cd)
+    if uses_master(group, lp):
+        st["master_param"] = p.detach().to(torch.float32, copy=True)

@@ -37,7 +37,7 @@ DeepSpeed ZeRO
 ZeRO stages 1, 2 and 3 hand the optimizer flat float32 pieces (per param group, or ZeRO-3
 sub-group, and rank), cut across tensor boundaries. :func:`enable_deepspeed_zero` registers where
 each tensor's piece lies; the optimizer then steps each piece as a row (Note [flat partitions] in
-fusedopt/optim.py) and :class:`_PartitionReducer` completes each tensor's sums with one
+fusedopt/_sharding.py) and :class:`_PartitionReducer` completes each tensor's sums with one
 all-reduce per step call.
 
 FSDP1
@@ -67,6 +67,7 @@ from . import backends as _backends
 from . import lowp
 from ._bucket import local as _local
 from ._adapters import check_partition_options
+from ._sharding import Partition, Sharding
 
 if TYPE_CHECKING:
     from ._bucket import Bucket
@@ -395,27 +396,12 @@ def enable_zero_global_clipping(zero_optimizer) -> None:
             f"enable_zero_global_clipping needs optimizer_class=fusedopt.FusedLAMB or FusedLARS; "
             f"the local optimizer is {type(inner).__name__}"
         )
-    inner.set_grad_norm_reducer(_ZeroGradSqReducer(zero_optimizer.process_group))
-    inner._set_keys({id(p): i for g in zero_optimizer.param_groups
-                     for i, p in enumerate(g["params"])})
+    inner.set_sharding(Sharding(
+        keys={id(p): i for g in zero_optimizer.param_groups for i, p in enumerate(g["params"])},
+        reducer=_ZeroGradSqReducer(zero_optimizer.process_group)))
 
 
 # ------------------------------------------------------------------------------ DeepSpeed ZeRO
-@dataclass(eq=False)
-class _Partition:
-    """Where the pieces of a flat partition lie (sorted by start), which tensor of its param
-    group (numbered as DeepSpeed lists them, the same on every rank) each piece belongs to, and
-    where in that tensor it begins."""
-
-    starts: list[int]
-    numels: list[int]
-    tensor_of: dict[int, int]  # start -> tensor index
-    firsts: list[int]  # the index in its tensor of each piece's first element
-    tensors: int  # tensors in the param group, over all ranks
-    steps: torch.Tensor  # one float32 step count per piece (Note [flat partitions], optim.py)
-    step: torch.Tensor | None = None
-
-
 class _TableReducer:
     """Completes per-tensor sums held in pieces on several ranks: each piece's row is put at its
     tensor's row of one table per step (zeros elsewhere), the table is all-reduced over
@@ -454,7 +440,7 @@ class _PartitionReducer(_TableReducer):
     rank in at most one piece of a partition, whose rows of the table are its param group's
     tensors."""
 
-    def __init__(self, partitions: dict[int, _Partition], group):
+    def __init__(self, partitions: dict[int, Partition], group):
         super().__init__(group)
         self._partitions = partitions
 
@@ -508,11 +494,11 @@ def enable_deepspeed_zero(engine) -> None:
     frames) on a ZeRO-1/2 flat buffer is not recognized.
     """
     wrapper = getattr(engine, "optimizer", engine)
-    if hasattr(wrapper, "_set_partitions"):
+    if hasattr(wrapper, "set_sharding"):
         return  # ZeRO stage 0: DeepSpeed steps the fusedopt optimizer on whole tensors
     inner = getattr(wrapper, "optimizer", None)
     kind = type(wrapper).__name__
-    if not hasattr(inner, "_set_partitions"):
+    if not hasattr(inner, "set_sharding"):
         raise TypeError("enable_deepspeed_zero needs a DeepSpeed engine whose client optimizer is "
                         f"fusedopt.FusedLAMB or FusedLARS; got {kind} wrapping "
                         f"{type(inner).__name__}")
@@ -576,9 +562,12 @@ def _register(inner, flats: list, dp_groups: list) -> None:
     if len({id(g) for g in dp_groups}) != 1:
         raise RuntimeError("enable_deepspeed_zero: param groups on different data-parallel groups "
                            "(MoE expert groups) are not supported")
-    partitions: dict[int, _Partition] = {}
+    partitions: dict[int, Partition] = {}
     for gi, flat, pieces, tensors in flats:
-        inner._named(gi, check_partition_options, inner.param_groups[gi])
+        try:
+            check_partition_options(inner.param_groups[gi])
+        except ValueError as e:
+            raise ValueError(f"{type(inner).__name__}: param group {gi}: {e}") from None
         end = 0
         for start, numel, *_ in pieces:
             if start < end or numel <= 0:
@@ -588,7 +577,7 @@ def _register(inner, flats: list, dp_groups: list) -> None:
         if flat.dim() != 1 or end > flat.numel() or not flat.is_contiguous():
             raise RuntimeError(f"enable_deepspeed_zero: param group {gi}: the pieces do not fit "
                                f"the flat partition of shape {tuple(flat.shape)}")
-        partitions[id(flat)] = _Partition(
+        partitions[id(flat)] = Partition(
             starts=[s for s, *_ in pieces], numels=[n for _, n, *_ in pieces],
             tensor_of={s: t for s, _, t, _ in pieces}, firsts=[f for *_, f in pieces],
             tensors=tensors,
@@ -605,8 +594,8 @@ def _register(inner, flats: list, dp_groups: list) -> None:
         raise RuntimeError("enable_deepspeed_zero: some rank holds no piece of a param group (the "
                            "group is smaller than the ranks' partitions); use fewer ranks or put "
                            "the group's params into another group")
-    inner._set_partitions(partitions)
-    inner.set_grad_norm_reducer(_PartitionReducer(partitions, group))
+    inner.set_sharding(Sharding(partitions=partitions,
+                                reducer=_PartitionReducer(partitions, group)))
 
 
 # ------------------------------------------------------------------------------ FSDP1
@@ -662,7 +651,7 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     ``_fsdp_flattened``, NO_SHARD's too), naming this call; so does it after this call raised.
     """
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-    if not hasattr(optimizer, "_set_keys"):
+    if not hasattr(optimizer, "set_sharding"):
         raise TypeError("enable_fsdp1 needs a fusedopt.FusedLAMB or FusedLARS optimizer; got "
                         f"{type(optimizer).__name__}")
     where = {id(p): (gi, i) for gi, g in enumerate(optimizer.param_groups)
@@ -692,8 +681,8 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
                            "supported")
     if not rows:  # nothing sharded (NO_SHARD: every param is its whole tensor), or no FSDP1
         if handles:
-            optimizer._set_keys({}, {id(p): p.numel() for g in optimizer.param_groups
-                                     for p in g["params"]})
+            optimizer.set_sharding(Sharding(wholes={id(p): p.numel() for g in optimizer.param_groups
+                                                    for p in g["params"]}))
         return
     if len(rows) < len(where):
         raise RuntimeError(f"enable_fsdp1: {len(where) - len(rows)} param(s) of the optimizer are "
@@ -709,8 +698,8 @@ def enable_fsdp1(model: torch.nn.Module, optimizer) -> None:
     if int(least.item()) == 0:
         raise RuntimeError("enable_fsdp1: some rank holds no piece of the optimizer's params (the "
                            "model is smaller than the ranks' shards); use fewer ranks")
-    optimizer._set_keys(keys, numels)
-    optimizer.set_grad_norm_reducer(_PieceReducer(rows, group, device))
+    optimizer.set_sharding(Sharding(keys=keys, wholes=numels,
+                                    reducer=_PieceReducer(rows, group, device)))
 
 
 # ------------------------------------------------------------------------------ DDP / FSDP2

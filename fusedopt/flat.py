@@ -8,7 +8,7 @@ jumps at every tensor boundary loses the hardware prefetcher. Contiguous streams
 slices of one buffer with the heap's gaps left in were nearly as slow as separate allocations,
 and prefetching each tensor's first bytes by software only added time (docs/performance.md,
 "Many small tensors"). The optimizer's own state is already flat
-(Note [flat state] in ``fusedopt/optim.py``); this module does the same for the params and grads.
+(Note [flat state] in ``fusedopt/_state.py``); this module does the same for the params and grads.
 It is opt-in because it changes where the user's tensors live: every ``p.data`` becomes a slice
 of a shared buffer, and grads stay allocated between steps.
 """

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Any, Callable
@@ -17,7 +16,6 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
 
 from . import _adapters, _checkpoint
-from ._adapters import check_partition_options
 from . import backends as _backends
 from . import lowp
 from ._bucket import StepCache, compute_dtype, dtype_codes
@@ -35,12 +33,12 @@ from ._hyper import (
     validate_lamb_group,
     validate_lars_group,
 )
+from . import _state
+from ._sharding import Sharding
+from ._state import LOW_PRECISION as _LOW_PRECISION
 from ._state import OptimizerState
-from .flat import _aligned_offsets, _dense_layout, laid_out_as
 from .functional import TensorGroup, check_new_params, trust_ratio_step
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_STATE_DTYPES = {"bf16": torch.bfloat16, "8bit": torch.uint8}  # of the low-precision formats
 _DTYPE = attrgetter("dtype")
 _MISSING = object()  # an option deleted from a param group
 # the options that say how this process runs and stores the step, not what was learned: a loaded
@@ -56,14 +54,6 @@ def _same_dtypes(ps: list, dtypes: set) -> bool:
     loop over the list (Note [native scans])."""
     codes = dtype_codes(ps, tuple(dtypes))
     return 0 not in codes and len(set(codes)) == len(dtypes)
-
-
-def _alias(buffer: torch.Tensor, offset: int, shape, stride=None) -> torch.Tensor:
-    """A tensor of ``shape`` (contiguous, or of a dense ``stride``) on ``buffer``'s storage from
-    element ``offset`` on: it shares the storage but, unlike a view, has a version counter of its
-    own."""
-    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), offset, shape, *(() if stride is None else (stride,)))
 
 
 def _guard_on(tensors) -> None:
@@ -130,10 +120,7 @@ class _TrustRatioOptimizer(Optimizer):
         if not isinstance(skip_nonfinite, bool):
             raise ValueError(f"Invalid skip_nonfinite: {skip_nonfinite!r}; expected True or False")
         self.skip_nonfinite = skip_nonfinite
-        self._reducer = None
-        self._partitions: dict[int, Any] = {}  # Note [flat partitions]
-        self._keys: dict[int, int] = {}  # id(param) -> its key of the random bits, where given
-        self._numels: dict[int, int] = {}  # id(param) -> its whole tensor's numel, for a piece
+        self._sharding = Sharding()  # set by fusedopt.distributed's adapters (set_sharding)
         self._zero_parent = _adapters.zero_parent()  # the ZeroRedundancyOptimizer building this
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
@@ -268,31 +255,18 @@ class _TrustRatioOptimizer(Optimizer):
         if isinstance(out["state"], OptimizerState):
             out["state"] = out["state"].plain()
         out["skip_nonfinite"] = self.skip_nonfinite
-        for key in ("_cache", "_pending", "_stale", "_lock", "_partitions", "_keys", "_numels",
-                    "_load", "_zero_parent"):
+        for key in ("_cache", "_pending", "_stale", "_lock", "_load", "_zero_parent"):
             out.pop(key, None)
-        return out
-
-    def _saved_form(self, out: dict[str, Any]) -> dict[str, Any]:
-        """The first of ``state_dict``'s post-hooks, so that the user's see the state dict it
-        returns: 8-bit moments as codes and block words, views of the optimizer's state (Note
-        [saved 8-bit state] in lowp.py)."""
-        # entries that are not a param's dict (opt.state["global_step"] = 1) saved as torch does
-        out["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["state"].items()}
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for i, p in enumerate(params):
-            st = out["state"].get(i)
-            for key in self._state_keys if isinstance(st, dict) else ():
-                t = st.get(key)
-                if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
-                    st[key], st[key + lowp.BLOCKS_SUFFIX] = lowp.saved_form(t, p)
+        # a pickled optimizer keeps a reducer set by hand (set_grad_norm_reducer), not the
+        # tensors' places of this process (keys, pieces, partitions), which name tensor ids
+        out["_sharding"] = Sharding(reducer=self._sharding.reducer)
         return out
 
     def _hook_saved_form(self) -> None:
-        """Registers ``_saved_form`` (at construction, and after unpickling: torch pickles no
+        """Registers ``_checkpoint.saved_form`` (at construction, and after unpickling: torch pickles no
         hooks)."""
-        if _TrustRatioOptimizer._saved_form not in self._optimizer_state_dict_post_hooks.values():
-            self.register_state_dict_post_hook(_TrustRatioOptimizer._saved_form, prepend=True)
+        if _checkpoint.saved_form not in self._optimizer_state_dict_post_hooks.values():
+            self.register_state_dict_post_hook(_checkpoint.saved_form, prepend=True)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -302,11 +276,8 @@ class _TrustRatioOptimizer(Optimizer):
         # the one loaded)
         self.__dict__.setdefault("_option_keys", tuple(self.defaults))
         self.__dict__.setdefault("skip_nonfinite", False)
-        self.__dict__.setdefault("_reducer", None)
-        # kept by load_state_dict (torch's calls this), dropped by pickling (__getstate__)
-        self.__dict__.setdefault("_partitions", {})
-        self.__dict__.setdefault("_keys", {})
-        self.__dict__.setdefault("_numels", {})
+        # kept by load_state_dict (torch's calls this)
+        self.__dict__.setdefault("_sharding", Sharding(reducer=self.__dict__.pop("_reducer", None)))
         self.__dict__.setdefault("_zero_parent", None)
         if "skipped_steps" not in self.__dict__:
             self.skipped_steps = torch.zeros((), dtype=torch.int64)
@@ -324,98 +295,14 @@ class _TrustRatioOptimizer(Optimizer):
         """Use ``reducer`` (a :class:`fusedopt.functional.SqSumReducer`, or None) to complete the
         clipping total across ranks at every step, e.g.
         :func:`fusedopt.distributed.enable_zero_global_clipping`."""
-        self._reducer = reducer
+        self._sharding = dataclasses.replace(self._sharding, reducer=reducer)
 
-    # ----------------------------------------------------------------- state
-    def _uses_master(self, group: dict[str, Any], p: torch.Tensor) -> bool:
-        mw = group["master_weights"]
-        return p.dtype in _LOW_PRECISION and (mw is None or mw)
-
-    def _init_states(self, group: dict[str, Any], ps: list[torch.Tensor]) -> None:
-        """Create the state of ``ps`` (params of ``group`` without state).
-
-        Note [flat state]: the state of the plain dense params of one (device, dtype) among
-        ``ps`` lives in one buffer per state key: each param's ``exp_avg`` (``exp_avg_sq``,
-        ``momentum_buffer``, ``master_param``) lies in its key's buffer, starting on a 64-byte
-        boundary, and its ``step`` in one float32 buffer. The fused backends then stream each
-        state list as (nearly) one array, and the step counts of thousands of tensors share a
-        few cache lines instead of one allocation each (docs/performance.md measures it). Each
-        is a tensor of its own on the shared storage (``set_``, as ``torch.load`` rebuilds
-        tensors), not a view: it has its own version counter, so a step bumps each written
-        tensor's version once. ``torch.save`` of the whole state dict writes each buffer once and
-        ``torch.load`` restores the sharing; torch.distributed.checkpoint writes each tensor's
-        own elements. Saving one state tensor alone writes its whole buffer (as for a view).
-        Each tensor has its param's strides (a channels_last param's state is channels_last).
-        DTensor shards (sharded training) and params that are not dense (slices with gaps) get
-        tensors of their own.
-        """
-        if group["state_precision"] == "8bit":
-            kept = sum(self._state_format(group, p) == "bf16" for p in ps)
-            if kept:
-                warnings.warn(f"{type(self).__name__}: {kept} param(s) of a group with "
-                              "state_precision='8bit' keep bf16 state: their elements are not "
-                              "contiguous (a transposed or channels_last param), or their shards "
-                              "are not runs of whole 256-element blocks (docs/math.md, "
-                              "\"Low-precision state\")")
-        flat: dict[tuple, list[torch.Tensor]] = {}
-        for p in ps:
-            if hasattr(p, "to_local") or not _dense_layout(p):
-                self._init_state(group, p)
-            else:
-                flat.setdefault((p.device, p.dtype, self._state_format(group, p)), []).append(p)
-        for (device, dtype, fmt), members in flat.items():
-            numels = [p.numel() for p in members]
-            sdtype = _STATE_DTYPES.get(fmt, compute_dtype(dtype))
-            sizes = [lowp.packed_numel(n) for n in numels] if fmt == "8bit" else numels
-            offsets, total = _aligned_offsets(sizes, sdtype)
-            steps = torch.zeros(len(members), dtype=torch.float32, device=device)
-            buffers = {key: torch.zeros(total, dtype=sdtype, device=device)
-                       for key in self._state_keys}
-            master = self._uses_master(group, members[0])  # one dtype: the same for all
-            if master:
-                m_offsets, m_total = ((offsets, total) if fmt == "full"
-                                      else _aligned_offsets(numels, torch.float32))
-                masters = torch.empty(m_total, dtype=torch.float32, device=device)
-            for i, (p, offset, size) in enumerate(zip(members, offsets, sizes)):
-                state = self.state[p]
-                state["step"] = _alias(steps, i, ())
-                # laid out as the param (channels_last, ...): the kernels walk its memory
-                layout = ((size,), None) if fmt == "8bit" else (p.shape, p.stride())
-                for key, buffer in buffers.items():
-                    state[key] = _alias(buffer, offset, *layout)
-                if master:
-                    state["master_param"] = _alias(masters, m_offsets[i], p.shape, p.stride())
-                    state["master_param"].copy_(p.detach())
-
-    def _state_format(self, group: dict[str, Any], p: torch.Tensor) -> str:
-        """The format of the moments of ``p`` (docs/math.md, "Low-precision state"): the group's
-        ``state_precision`` for a param of at least ``state_min_numel`` elements (counted over
-        the whole param, also when sharded), else full; a non-contiguous param gets bf16 for
-        8-bit (the blocks of a packed state hold its elements in row-major order, which the
-        kernels would step through a contiguous copy), and so does a DTensor whose shards are not
-        runs of whole blocks (Note [sharded 8-bit state], lowp.py) and a piece of a tensor
-        (``_set_keys``: its blocks would start where the piece starts)."""
-        fmt = group["state_precision"]
-        whole = self._numels.get(id(p))
-        if fmt == "full" or (p.numel() if whole is None else whole) < group["state_min_numel"]:
-            return "full"
-        if fmt == "8bit" and (whole is not None or (
-                not lowp.rows_hold_blocks(p) if hasattr(p, "to_local") else not p.is_contiguous())):
-            return "bf16"
-        return fmt
-
-    def _init_state(self, group: dict[str, Any], p: torch.Tensor) -> None:
-        """The state of one param without state, in tensors of its own (DTensors, non-contiguous
-        params; see _init_states)."""
-        state = self.state[p]
-        lp = _local(p)
-        cd = compute_dtype(lp.dtype)
-        state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
-        fmt = self._state_format(group, p)
-        for key in self._state_keys:
-            state[key] = lowp.zeros(lp if fmt == "8bit" else p, fmt, dtype=cd)
-        if self._uses_master(group, lp):
-            state["master_param"] = p.detach().to(torch.float32, copy=True)
+    def set_sharding(self, sharding: Sharding) -> None:
+        """Step the params as :class:`fusedopt._sharding.Sharding` says they lie across ranks
+        (what fusedopt.distributed's adapters call: enable_fsdp1, enable_deepspeed_zero,
+        enable_zero_global_clipping)."""
+        self._sharding = sharding
+        self._fresh()
 
     # ----------------------------------------------------------------- step
     def _init_group(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
@@ -459,10 +346,8 @@ class _TrustRatioOptimizer(Optimizer):
             gs = [g for g in all_grads if g is not None]
         else:
             ps, gs = all_ps, all_grads
-        if self._numels and not self._numels.keys() >= set(map(id, ps)):
-            raise RuntimeError(f"{type(self).__name__}: param group {gi} holds params that "
-                               "enable_fsdp1 did not register (added after it?): call "
-                               "fusedopt.distributed.enable_fsdp1(model, optimizer) again")
+        sharding = self._sharding
+        sharding.check_registered(type(self).__name__, gi, ps)
         _adapters.check_params(self, gi, ps)  # settings that need an adapter not enabled
         sharded = any(hasattr(t, "to_local") for t in set(map(type, ps)))
         if sharded and bases is not None and not self._sharded:
@@ -473,11 +358,11 @@ class _TrustRatioOptimizer(Optimizer):
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(g) for g in gs] if sharded else gs
         rows = None  # the keys of the random bits, where they are not the rows' indices
-        if group["state_precision"] != "full" and (sharded or ps is not all_ps or self._keys):
+        if group["state_precision"] != "full" and (sharded or ps is not all_ps or sharding.keys):
             rows = (range(len(ps)) if ps is all_ps
                     else [i for i, g in enumerate(all_grads) if g is not None])
-            if self._keys:  # params numbered as in the groups they were taken from
-                rows = [self._keys.get(id(p), i) for i, p in zip(rows, ps)]
+            if sharding.keys:  # params numbered as in the groups they were taken from
+                rows = [sharding.keys.get(id(p), i) for i, p in zip(rows, ps)]
             rows = list(map(lowp.random_key, rows, ps, lps)) if sharded else rows
         state = self.state
         states = list(map(state.get, ps))
@@ -493,7 +378,8 @@ class _TrustRatioOptimizer(Optimizer):
             # (a traced step makes it at trace time, where nothing can take it back)
             chosen = check_new_params(self._kind, gi, lps, lgs, self._hyper(group),
                                       group["backend"])
-            self._init_states(group, fresh)
+            _state.create(type(self).__name__, state, self._state_keys, group, fresh,
+                          sharding.wholes)
             if self._pending is not None:
                 self._pending[0].extend(fresh)
             states = list(map(state.get, ps))
@@ -527,8 +413,10 @@ class _TrustRatioOptimizer(Optimizer):
             (self._pending[1] if self._pending is not None else self._stale).extend(stale)
         if sharded:
             columns = [[x if x is None else _local(x) for x in xs] for xs in columns]
-        elif self._partitions and not self._partitions.keys().isdisjoint(map(id, ps)):
-            ps, lps, lgs, columns, rows = self._fragments(gi, group, ps, lps, lgs, columns, rows)
+        elif sharding.holds_partitions(ps):
+            ps, lps, lgs, columns, rows = sharding.pieces(type(self).__name__, gi, group, state,
+                                                          self._state_keys, ps, lps, lgs, columns,
+                                                          rows)
             sharded = True  # rows that stand for pieces of their sources
         params.extend(lps)
         grads.extend(lgs)
@@ -553,82 +441,8 @@ class _TrustRatioOptimizer(Optimizer):
             [columns[0], *(columns[1:3] if self._kind == "lamb" else (columns[1],)),
              columns[-1] if master else [None] * len(ps)], bases)
 
-    def _fragments(self, gi: int, group: dict[str, Any], ps: list, lps: list, lgs: list,
-                   columns: list[list], keys) -> tuple[list, list, list, list[list], list | None]:
-        """Note [flat partitions]: a param registered by :meth:`_set_partitions` (a flat buffer
-        of pieces of several tensors, as DeepSpeed ZeRO hands its optimizer) enters the step as
-        one row per piece: views of the param, its grad and its state over the piece, with the
-        param itself as the source of each row, so that the reducer completes each piece's sums
-        into its tensor's. Elements outside every piece (padding) are not stepped. The pieces of
-        one param share its step count: each row gets an element of a buffer of its own (a step
-        increments every row's count), the param's ``state["step"]`` being the first one, which
-        the others copy before each step (a checkpoint loader may set it in place). Each piece's
-        key of the random bits (bf16 state) is that of its elements in its tensor: the tensor's
-        index and the piece's first element (docs/math.md, "Random bits"); ``keys`` are the keys
-        of the rows given (None: their indices), the keys returned those of the rows returned
-        (None where no row has bf16 state and none was given: the kernels then read none)."""
-        name = type(self).__name__
-        self._named(gi, check_partition_options, group)
-        out: list[list] = [[] for _ in range(3 + len(columns))]
-        row_keys, rounded = [], keys is not None
-        for i, p in enumerate(ps):
-            row = (p, lps[i], lgs[i], *(xs[i] for xs in columns))
-            part = self._partitions.get(id(p))
-            if part is None:
-                for xs, x in zip(out, row):
-                    xs.append(x)
-                row_keys.append(i if keys is None else keys[i])
-                continue
-            if (len(columns) > len(self._state_keys) + 1
-                    or columns[1][i].dtype not in (p.dtype, torch.bfloat16)):
-                raise ValueError(f"{name}: param group {gi}: a flat partition takes state of its "
-                                 "own dtype or bf16 state, and no master weights (DeepSpeed keeps "
-                                 f"the float32 masters); its params are {p.dtype}")
-            rounded = rounded or columns[1][i].dtype == torch.bfloat16
-            if lgs[i].shape != p.shape or not lgs[i].is_contiguous():
-                raise RuntimeError(f"{name}: param group {gi}: the grad of a flat partition must "
-                                   f"be contiguous of shape {tuple(p.shape)}")
-            for key, xs in zip(self._state_keys, columns[1:]):
-                if xs[i].shape != p.shape or not xs[i].is_contiguous():
-                    raise ValueError(f"{name}: param group {gi}: state {key!r} of a flat partition "
-                                     f"of shape {tuple(p.shape)} has shape {tuple(xs[i].shape)} (a "
-                                     "state dict of another partitioning?)")
-            step = columns[0][i]
-            if step is not part.step:  # a new state (first step, load_state_dict)
-                part.steps.copy_(step)
-                part.step = self.state[p]["step"] = _alias(part.steps, 0, ())
-            elif len(part.starts) > 1:  # the count as state["step"] holds it, also if set in place
-                part.steps[1:].copy_(part.steps[:1].expand(len(part.starts) - 1))
-            out[0].extend(repeat(p, len(part.starts)))
-            for xs, t in zip(out[1:], (lps[i], lgs[i], None, *(xs[i] for xs in columns[1:]))):
-                if t is None:
-                    xs.extend(_alias(part.steps, k, ()) for k in range(len(part.starts)))
-                else:
-                    xs.extend(t.narrow(0, s, n) for s, n in zip(part.starts, part.numels))
-            row_keys.extend(map(lowp.key_of, map(part.tensor_of.get, part.starts), part.firsts))
-        ps, lps, lgs, *columns = out
-        return ps, lps, lgs, columns, row_keys if rounded else None
-
-    def _set_keys(self, keys: dict[int, int], numels: dict[int, int] | None = None) -> None:
-        """Key the random bits of each param of ``keys`` (id -> key, ``lowp.key_of``) by that
-        key instead of its place in its group: the params of a ZeroRedundancyOptimizer rank,
-        numbered as in the ZeRO optimizer's groups, which hold every rank's params as one
-        process's would; FSDP1's pieces of tensors, keyed by their tensor's place and their first
-        element. ``numels``: id -> the numel of the whole tensor of each param that is a piece
-        of one (its state format is the whole tensor's)."""
-        self._keys = keys
-        self._numels = numels or {}
-        self._fresh()
-
-    def _set_partitions(self, partitions: dict[int, Any]) -> None:
-        """Note [flat partitions]: step the params of ``partitions`` (id -> an object with
-        ``starts``, ``numels``, ``steps`` (a float32 buffer of one element per piece on the
-        param's device) and ``step``) piece by piece."""
-        self._partitions = partitions
-        self._fresh()
-
     def _state_layout(self, columns: list[list], bases: list) -> tuple:
-        """Note [traced flat state]: the flat state (Note [flat state]) is tensors that share a
+        """Note [traced flat state]: the flat state (Note [flat state] in fusedopt/_state.py) is tensors that share a
         storage and that a step writes. Given to a traced step as graph inputs, they would alias
         each other, and AOTAutograd would clone their storage once per tensor and copy it back
         around the operators (time that grows with the square of the tensor count). A traced step
@@ -715,8 +529,8 @@ class _TrustRatioOptimizer(Optimizer):
         return g
 
     def _step_reducer(self, groups: list[TensorGroup]):
-        if self._reducer is not None:
-            return self._reducer
+        if self._sharding.reducer is not None:
+            return self._sharding.reducer
         sources = [p for g in groups for p in (g.sources or ())]
         if not sources:
             return None
@@ -759,9 +573,9 @@ class _TrustRatioOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():
-            # rows made per step (Note [flat partitions]) and the local shards of DTensors
+            # rows made per step (Note [flat partitions] in fusedopt/_sharding.py) and the local shards of DTensors
             # (fresh tensor objects at every step, which dynamo cannot give sources) run eagerly
-            if self._partitions or self._sharded:
+            if self._sharding.partitions or self._sharded:
                 _step_outside_dynamo(self, None)
             else:
                 self._step()
@@ -840,7 +654,7 @@ class _TrustRatioOptimizer(Optimizer):
         (they may return another, as one that maps params by name does, which is then the one
         loaded), the post-hooks the state as loaded.
 
-        Checkpoints of the optimizers fusedopt replaces resume (Note [foreign step counts]):
+        Checkpoints of the optimizers fusedopt replaces resume (Note [foreign step counts] in fusedopt/_checkpoint.py):
         apex's ``FusedLAMB`` and timm's ``Lamb`` keep the step count in the param group, torch's
         ``SGD`` and timm's ``Lars`` keep none."""
         pre = self.register_load_state_dict_pre_hook(_TrustRatioOptimizer._loading)  # the last
@@ -853,65 +667,14 @@ class _TrustRatioOptimizer(Optimizer):
             self._load = None
 
     def _loading(self, state_dict: dict[str, Any]) -> None:
-        """The last pre-hook of ``load_state_dict``: reads, checks and converts everything it
-        will install (fusedopt/_checkpoint.py), refusing a state dict before torch's loader
-        changes anything."""
-        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-        params = [(g, p) for g in self.param_groups for p in g["params"]]
-        counts = self._foreign_counts(state_dict)
-        prepared = _checkpoint.Prepared()
-        if len(saved_ids) == len(params):  # else torch's loader refuses the state dict
-            saved_groups = {pid: g for g in state_dict["param_groups"] for pid in g["params"]}
-            for pid, (group, p) in zip(saved_ids, params):
-                saved = state_dict["state"].get(pid)
-                if not isinstance(saved, dict):
-                    continue
-                where = f"{type(self).__name__}: param {pid} of the state dict"
-                count = counts.get(pid)
-                if saved.get("step") is not None:
-                    count = _checkpoint.step_count(saved["step"], where)
-                loaded_group = {**group, **{k: v for k, v in saved_groups[pid].items()
-                                            if k != "params" and k not in _OWN_OPTIONS}}
-                prepared.state[pid] = _checkpoint.prepare_param(
-                    self, group, loaded_group, p, saved, count, where, prepared.converted)
-        own = [{k: g[k] for k in _OWN_OPTIONS} for g in self.param_groups]
-        self._load = (state_dict, saved_ids, params, prepared, counts, own)
-
-    # Note [foreign step counts]: a saved state whose moments have no step count of their own
-    # takes its group's "step" (apex's FusedLAMB and timm's Lamb count there, once per step()).
-    # Without one, a LARS momentum buffer counts 1: a buffer means a step was taken, and LARS
-    # reads the count only to tell the first step (docs/math.md); LAMB's bias correction needs the
-    # count, so such LAMB state is refused. The group's "step" goes once its counts are taken: a
-    # count that no step advances would be wrong in every later checkpoint.
-    def _foreign_counts(self, state_dict: dict[str, Any]) -> dict[Any, float]:
-        """Saved param id -> the count of its state, for states that have moments but no count
-        (Note [foreign step counts]); raises ValueError for one that cannot be counted."""
-        counts = {}
-        for g in state_dict["param_groups"]:
-            for pid in g["params"]:
-                saved = state_dict["state"].get(pid)
-                if (not isinstance(saved, dict) or saved.get("step") is not None
-                        or all(saved.get(k) is None for k in self._state_keys)):
-                    continue
-                count = g.get("step", 1 if self._kind == "lars" else None)
-                if count is None:
-                    raise ValueError(f"{type(self).__name__}: param {pid} of the state dict has "
-                                     "moments but no step count, neither its own nor its param "
-                                     "group's; LAMB's bias correction needs it")
-                counts[pid] = _checkpoint.step_count(
-                    count, f"{type(self).__name__}: param group of param {pid} of the state dict")
-        return counts
+        """The last pre-hook of ``load_state_dict`` (fusedopt/_checkpoint.py)."""
+        self._load = _checkpoint.read(self, state_dict, _OWN_OPTIONS)
 
     def _loaded(self) -> None:
         """The first post-hook of ``load_state_dict``: the state as this optimizer keeps it."""
-        state_dict, saved_ids, params, prepared, counts, own = self._load
         _unshare_lrs(self.param_groups)
         self._fresh()  # Note [step cache]; the loaded options are checked at step()
-        for g, mine, saved_group in zip(self.param_groups, own, state_dict["param_groups"]):
-            g.update(mine)
-            if not counts.keys().isdisjoint(saved_group["params"]):
-                g.pop("step", None)  # Note [foreign step counts]
-        _checkpoint.install(self, prepared, saved_ids, params)
+        _checkpoint.finish(self, self._load)
 
 
 class FusedLAMB(_TrustRatioOptimizer):

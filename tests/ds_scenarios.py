@@ -261,7 +261,7 @@ def doc_block(ctx):
     ns = {"model": make_model(), "loader": loader,
           "loss_fn": lambda out, y: torch.nn.functional.cross_entropy(out.float(), y)}
     exec(compile(code, "docs/distributed.md, DeepSpeed block", "exec"), ns)
-    return {"steps": ns["engine"].global_steps, "partitions": len(ns["opt"]._partitions)}
+    return {"steps": ns["engine"].global_steps, "partitions": len(ns["opt"]._sharding.partitions)}
 
 
 def resume(ctx, kind, backend, stage, enable_after_load=False, **opt_extra):
@@ -349,7 +349,7 @@ def _bf16_state(ctx, backend, stage):
     for name in ("enabled", "local_bits"):
         engine, opt = engine_for("lamb", backend, config(stage), **extra)
         if name == "local_bits":
-            for part in opt._partitions.values():
+            for part in opt._sharding.partitions.values():
                 part.firsts = [0] * len(part.firsts)
         train(ctx, engine, STEPS)
         out[name] = apart(init, ref, engine.module.parameters())

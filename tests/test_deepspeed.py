@@ -20,6 +20,7 @@ import torch.distributed as dist
 import dist_utils
 import ds_scenarios
 import fusedopt
+from fusedopt._sharding import Sharding
 from fusedopt.distributed import enable_deepspeed_zero
 
 # distance from one process, in units of the largest change the steps made to each tensor:
@@ -188,7 +189,7 @@ def test_errors_without_deepspeed():
     refused by name."""
     opt = fusedopt.FusedLAMB([torch.nn.Parameter(torch.ones(3))])
     enable_deepspeed_zero(opt)  # stage 0: whole tensors, nothing to map
-    assert opt._partitions == {}
+    assert opt._sharding.partitions == {}
     with pytest.raises(TypeError, match="client optimizer"):
         enable_deepspeed_zero(torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1))
 
@@ -366,7 +367,7 @@ def test_zero3_layout_steps_each_tensor(world_of_one):
     """ZeRO-3's sub-group buffer (each param's piece after the other) is stepped tensor by tensor,
     bit for bit as the tensors apart; then the refused ZeRO-3 variants, each by name."""
     flat, apart, opt, opt_apart, gen = _flat_setup("cpp")
-    opt._set_partitions({})  # registered again below through the ZeRO-3 layout
+    opt.set_sharding(Sharding())  # registered again below through the ZeRO-3 layout
     sizes = [math.prod(s) for s in SHAPES]
     wrapper = _stage3_wrapper(opt, flat, sizes)
     enable_deepspeed_zero(types.SimpleNamespace(optimizer=wrapper))

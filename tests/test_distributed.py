@@ -458,7 +458,7 @@ def test_enable_fsdp1_outside_fsdp():
     opt = fusedopt.FusedLAMB(model.parameters())
     enable_fsdp1(model, opt)
     enable_fsdp1(model, types.SimpleNamespace(optimizer=opt))  # a wrapper, as accelerate's
-    assert opt._reducer is None and not opt._keys and not opt._numels
+    assert opt._sharding.reducer is None and not opt._sharding.keys and not opt._sharding.wholes
     with pytest.raises(TypeError, match="FusedLAMB or FusedLARS"):
         enable_fsdp1(model, types.SimpleNamespace(optimizer=object()))
 

@@ -196,7 +196,7 @@ def _storage(t):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_lies_in_one_aligned_buffer_per_key(kind):
-    """Note [flat state] in fusedopt/optim.py: dense params of any layout share a buffer per
+    """Note [flat state] in fusedopt/_state.py: dense params of any layout share a buffer per
     key, each state tensor with its param's strides; a param that is not dense and another
     dtype get tensors of their own."""
     m = model()
