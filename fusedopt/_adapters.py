@@ -131,7 +131,8 @@ def check_params(optimizer, gi: int, ps: list) -> None:
 
 
 def check_partition_options(group: dict[str, Any]) -> None:
-    """Options that a group of flat partitions (Note [flat partitions] in fusedopt/_sharding.py) cannot take."""
+    """Options that a group of flat partitions (Note [flat partitions] in fusedopt/_sharding.py)
+    cannot take."""
     if group["max_grad_norm"] is not None:
         raise ValueError("max_grad_norm cannot clip flat partitions by the global norm "
                          "(DeepSpeed steps each param group on its own); set DeepSpeed's "

@@ -99,8 +99,9 @@ class TensorLists:
 
 
 class StepCache:
-    """Note [step cache]: everything an optimizer keeps from one step to the next, in one object
-    that ``add_param_group``, ``load_state_dict`` and ``__setstate__`` replace:
+    """Note [step cache]: what the backends keep from one step to the next, in one object that
+    ``add_param_group``, ``load_state_dict`` and ``__setstate__`` replace (with the optimizer's
+    group plans, Note [group plans] in fusedopt/_plan.py):
 
     * ``layouts``: the cpp backend's native checked layouts, one per bucket slot (Note [kept
       layout] in csrc/cpu/ops.h); a step whose lists are what the layout checked skips the
@@ -109,11 +110,8 @@ class StepCache:
       (the Triton pointer tables, the eager backend's chunk index);
     * ``single``: group index -> (slot, backend) of a group that was one bucket at its last check
       (the only groups a step may bind without checking them in Python first);
-    * ``groups``: group index -> the group's lists as the last step gathered them (Note [list
-      cache] in fusedopt/optim.py);
-    * ``options``: the option values of each group when last checked and ``lrs`` its tensor lr
-      whose value was read (Note [option checks] in fusedopt/optim.py); ``bases``: the storages
-      of the flat state under torch.compile (Note [traced flat state] in fusedopt/optim.py);
+    * ``bases``: the storages of the flat state under torch.compile (Note [traced flat state]
+      in fusedopt/_state.py);
     * ``reducer``: the sharded reducer of the DTensor params of the last step and those params,
       kept while a step has the same ones in the same order (it holds the tensors its
       all-reduces select rows by, uploaded once).
@@ -133,9 +131,6 @@ class StepCache:
         self.workspaces: dict[str, dict] = {}
         self.reducer: tuple | None = None  # (the step's DTensor params, their reducer)
         self.single: dict[int, tuple[str, Any]] = {}
-        self.groups: dict[int, tuple] = {}
-        self.options: dict[int, tuple] = {}
-        self.lrs: dict[int, torch.Tensor] = {}
         self.bases: dict[tuple, torch.Tensor] = {}
 
     @staticmethod

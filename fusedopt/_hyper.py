@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from . import lowp
+
 BACKEND_NAMES = ("auto", "eager", "cpp", "triton", "cuda")
 DENOMINATORS = ("sum", "combined")
 
@@ -189,6 +191,36 @@ def validate_lars_group(g: dict[str, Any]) -> None:
             f"Invalid denominator: {g['denominator']!r}; expected one of {DENOMINATORS}"
         )
     _check_max_grad_norm(g["max_grad_norm"])
+
+
+def check_group(kind: str, group: dict[str, Any]) -> None:
+    """Every option of a param group of a ``kind`` ("lamb", "lars") optimizer (ValueError naming
+    the first invalid one)."""
+    (validate_lamb_group if kind == "lamb" else validate_lars_group)(group)
+    check_backend_name(group["backend"])
+    if not isinstance(group["capturable"], bool):
+        raise ValueError(f"Invalid capturable: {group['capturable']!r}; expected True or False")
+    mw = group["master_weights"]
+    if mw is not None and not isinstance(mw, bool):
+        raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
+    sp = group["state_precision"]
+    if not isinstance(sp, str) or sp not in lowp.FORMATS:
+        raise ValueError(f"Invalid state_precision: {sp!r}; expected one of "
+                         f"{', '.join(map(repr, lowp.FORMATS))}")
+    check_maximize(group["maximize"])
+    for flag in ("foreach", "fused"):
+        if group[flag] is not None and not isinstance(group[flag], bool):
+            raise ValueError(f"Invalid {flag}: {group[flag]!r}; expected None, True or False")
+    if group["fused"] and group["backend"] == "eager":
+        raise ValueError("Invalid fused: True with backend='eager' (the unfused backend); "
+                         "use backend='auto', 'cpp', 'triton' or 'cuda'")
+    if group["differentiable"] is not False:
+        raise ValueError(f"Invalid differentiable: {group['differentiable']!r}; fusedopt steps "
+                         "run without autograd (fused kernels, in place), so only False is "
+                         "accepted; differentiate through torch.optim's optimizers instead")
+    mn = group["state_min_numel"]
+    if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
+        raise ValueError(f"Invalid state_min_numel: {mn!r}; expected an int >= 0")
 
 
 def check_representable(h: "LambHyper | LarsHyper", dtype: torch.dtype) -> None:

@@ -1,9 +1,9 @@
 """The optimizer's state: the ``state`` mapping, which counts its own edits, and the state
 tensors a param gets at its first step, in its format (Note [flat state]).
 
-Note [list cache] (fusedopt/optim.py) keeps each param group's tensor lists between steps and
-must drop them when a state dict or a state tensor is replaced or removed. :class:`OptimizerState`
-and the per-param :class:`ParamState` dicts it creates are plain dicts that bump one shared
+A group's plan (Note [group plans] in fusedopt/_plan.py) keeps its tensor lists between steps
+and must drop them when a state dict or a state tensor is replaced or removed.
+:class:`OptimizerState` and the per-param :class:`ParamState` dicts it creates are plain dicts that bump one shared
 counter on every edit (``opt.state[p] = {...}``, ``opt.state[p]["exp_avg"] = t``, ``del``,
 ``pop``, ``update`` ...), so the optimizer compares one integer per step instead of looking at
 every tensor. In-place changes of a state tensor's values are not edits of the mapping and need
@@ -210,3 +210,36 @@ def _create_own(st: ParamState, keys: tuple[str, ...], group: dict[str, Any], p:
         st[key] = lowp.zeros(lp if fmt == "8bit" else p, fmt, dtype=cd)
     if uses_master(group, lp):
         st["master_param"] = p.detach().to(torch.float32, copy=True)
+
+
+def traced_layout(columns: list[list], bases: list, kept: dict[tuple, torch.Tensor]) -> tuple:
+    """Note [traced flat state]: the flat state (Note [flat state]) is tensors that share a
+    storage and that a step writes. Given to a traced step as graph inputs, they would alias each
+    other, and AOTAutograd would clone their storage once per tensor and copy it back around the
+    operators (time that grows with the square of the tensor count). A traced step gets instead
+    one tensor per storage (``bases``: each spans its storage, kept in ``kept``, the step cache's,
+    the same object for as long as the cache lives, which the guards on it check) and builds each
+    state tensor as a view of it in the graph. Returns, per state list of ``columns``, ``(base
+    index, storage offset, shape, stride)`` of each entry (None: no master), constants of the
+    trace. The state tensors themselves are still appended to the lists, which the traced step
+    then replaces by the views: dynamo guards on them, so a step after their replacement
+    (``load_state_dict``) compiles again instead of writing the old storages. Only for the
+    backends that run as operators: inductor fuses the eager backend's foreach operations,
+    clones included, and views of the bases made its compile slower without making its step
+    faster (docs/performance.md)."""
+    index: dict[tuple, int] = {}
+
+    def entry(t):
+        if t is None:
+            return None
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device, t.dtype)
+        if key not in index:
+            base = kept.get(key)
+            if base is None:
+                base = kept[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+            index[key] = len(bases)
+            bases.append(base)
+        return index[key], t.storage_offset(), tuple(t.shape), tuple(t.stride())
+
+    return tuple(tuple(entry(t) for t in xs) for xs in columns)

@@ -331,8 +331,8 @@ def _buckets(kind: str, gi: int, g: TensorGroup, cache: StepCache | None, bound:
     modified. Note [kept buckets]: a group that was one bucket when last checked is not checked
     in Python again while it is what was checked: its backend's native handle says so (the cpp
     backend's kept layout looks at every tensor in C++), or else its lists are the very list
-    objects that were checked (the optimizer's list cache, Note [list cache] in
-    fusedopt/optim.py, hands the same ones while nothing changed) and the grads and the params'
+    objects that were checked (the optimizer's group plans, Note [group plans] in
+    fusedopt/_plan.py, hand the same ones while nothing changed) and the grads and the params'
     dtypes and shapes are as they were (C-level passes over the lists)."""
     requested = getattr(g.backend, "name", g.backend)
     if cache is not None and not torch.compiler.is_compiling():

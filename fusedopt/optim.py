@@ -18,24 +18,22 @@ from torch.optim import Optimizer
 from . import _adapters, _checkpoint
 from . import backends as _backends
 from . import lowp
-from ._bucket import StepCache, compute_dtype, dtype_codes
+from ._bucket import StepCache, compute_dtype
 from ._bucket import grads as grads_of
 from ._bucket import local as _local
 from ._hyper import (
     LAMB_DEFAULTS,
     LARS_DEFAULTS,
-    check_backend_name,
-    check_maximize,
+    check_group,
     check_lr_value,
     check_representable,
     lamb_hyper,
     lars_hyper,
-    validate_lamb_group,
-    validate_lars_group,
 )
 from . import _state
 from ._sharding import Sharding
 from ._state import LOW_PRECISION as _LOW_PRECISION
+from ._plan import GroupPlan
 from ._state import OptimizerState
 from .functional import TensorGroup, check_new_params, trust_ratio_step
 
@@ -47,13 +45,6 @@ _MISSING = object()  # an option deleted from a param group
 # optimizer's own)
 _OWN_OPTIONS = ("backend", "state_precision", "state_min_numel", "fused", "foreach",
                 "capturable", "differentiable")
-
-
-def _same_dtypes(ps: list, dtypes: set) -> bool:
-    """Whether the tensors of ``ps`` have exactly the dtypes ``dtypes`` (Note [list cache]): one C
-    loop over the list (Note [native scans])."""
-    codes = dtype_codes(ps, tuple(dtypes))
-    return 0 not in codes and len(set(codes)) == len(dtypes)
 
 
 def _guard_on(tensors) -> None:
@@ -111,7 +102,6 @@ class _TrustRatioOptimizer(Optimizer):
 
     _kind: str
     _state_keys: tuple[str, ...]
-    _validate_group: Callable[[dict[str, Any]], None]  # raises ValueError naming the option
     _hyper: Callable[[dict[str, Any]], Any]  # the group's LambHyper / LarsHyper
 
     _step_supports_amp_scaling = True
@@ -124,7 +114,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._zero_parent = _adapters.zero_parent()  # the ZeroRedundancyOptimizer building this
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
-        self.state = OptimizerState(self.state)  # Note [list cache]
+        self.state = OptimizerState(self.state)  # Note [group plans]
         self._pending: tuple[list, list] | None = None  # Note [refused steps]
         self._stale: list = []  # stale masters a traced step found (Note [refused steps])
         self._lock = threading.Lock()
@@ -132,7 +122,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._fresh()
         self._hook_saved_form()
         for gi, group in enumerate(self.param_groups):  # add_param_group checked them
-            self._remember_options(gi, group)
+            self._plan(gi).checked(self._option_values(group), group["lr"])
         first = next((p for g in self.param_groups for p in g["params"]), None)
         device = _local(first).device if first is not None else torch.device("cpu")
         #: steps skipped by ``skip_nonfinite`` since construction (an int64 tensor, never read on
@@ -141,40 +131,13 @@ class _TrustRatioOptimizer(Optimizer):
 
     def _fresh(self) -> None:
         self._cache = StepCache()  # Note [step cache]
+        self._plans: dict[int, GroupPlan] = {}  # Note [group plans]
 
     # ---------------------------------------------------------------- groups
-    def _check_options(self, group: dict[str, Any]) -> None:
-        """Every option of a param group (ValueError naming the first invalid one)."""
-        self._validate_group(group)
-        check_backend_name(group["backend"])
-        if not isinstance(group["capturable"], bool):
-            raise ValueError(f"Invalid capturable: {group['capturable']!r}; expected True or False")
-        mw = group["master_weights"]
-        if mw is not None and not isinstance(mw, bool):
-            raise ValueError(f"Invalid master_weights: {mw!r}; expected None, True or False")
-        sp = group["state_precision"]
-        if not isinstance(sp, str) or sp not in lowp.FORMATS:
-            raise ValueError(f"Invalid state_precision: {sp!r}; expected one of "
-                             f"{', '.join(map(repr, lowp.FORMATS))}")
-        check_maximize(group["maximize"])
-        for flag in ("foreach", "fused"):
-            if group[flag] is not None and not isinstance(group[flag], bool):
-                raise ValueError(f"Invalid {flag}: {group[flag]!r}; expected None, True or False")
-        if group["fused"] and group["backend"] == "eager":
-            raise ValueError("Invalid fused: True with backend='eager' (the unfused backend); "
-                             "use backend='auto', 'cpp', 'triton' or 'cuda'")
-        if group["differentiable"] is not False:
-            raise ValueError(f"Invalid differentiable: {group['differentiable']!r}; fusedopt steps "
-                             "run without autograd (fused kernels, in place), so only False is "
-                             "accepted; differentiate through torch.optim's optimizers instead")
-        mn = group["state_min_numel"]
-        if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
-            raise ValueError(f"Invalid state_min_numel: {mn!r}; expected an int >= 0")
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         candidate = dict(self.defaults)
         candidate.update({k: v for k, v in param_group.items() if k != "params"})
-        self._check_options(candidate)
+        check_group(self._kind, candidate)
         params = param_group["params"]
         # a list from here on, as torch's add_param_group makes it: a generator read here would
         # leave torch's none
@@ -193,7 +156,7 @@ class _TrustRatioOptimizer(Optimizer):
         if hasattr(self, "_cache"):
             self._fresh()
             for gi, group in enumerate(self.param_groups):
-                self._remember_options(gi, group)
+                self._plan(gi).checked(self._option_values(group), group["lr"])
 
     def _note_sharded(self, params) -> None:
         """Whether some param is a DTensor, decided outside a trace (dynamo sees an FSDP2 param
@@ -201,45 +164,27 @@ class _TrustRatioOptimizer(Optimizer):
         self._sharded = (self.__dict__.get("_sharded", False)
                          or any(hasattr(p, "to_local") for p in params))
 
-    def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
-        """Note [option checks]: a group's options are checked when the group is added and again
-        at the step after any of them was replaced (by a scheduler, by hand, by
-        ``load_state_dict``) or, for a list, edited in place: the values last checked are kept
-        in the step cache and compared by identity (a list's items by value), which costs one
-        pass over a dozen keys. A tensor ``lr`` changed in place (as
-        torch's schedulers do) is the same object and its value is not read again: a step reads
-        no tensor value on the host (on an accelerator that would be a device sync per step).
+    def _plan(self, gi: int) -> GroupPlan:
+        plan = self._plans.get(gi)
+        if plan is None:
+            plan = self._plans[gi] = GroupPlan()
+        return plan
 
-        Under torch.compile (Note [traced options] in fusedopt/_hyper.py) every trace checks
-        every option; the checks are comparisons, which become the graph's guards, so a compiled
-        step that a new value fails is traced again and refuses it before anything runs. The
-        value of a tensor lr is read by ``_init_group``, which dynamo runs eagerly at trace time,
-        when the tensor is new to its group; the trace then compares the group's lr with the
-        tensor checked last (``is``: a guard on identity), so that a new tensor is traced, and
-        read, again."""
+    def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
+        """The group's options, checked unless its plan vouches for them (Note [group plans] in
+        fusedopt/_plan.py)."""
         missing = [k for k in self._option_keys if k not in group]
         if missing:
             raise ValueError(f"{type(self).__name__}: param group {gi} has no option "
                              f"{missing[0]!r} (deleted after construction?)")
         if torch.compiler.is_compiling():
-            self._named(gi, self._check_options, group)
+            self._named(gi, check_group, self._kind, group)
             return
-        seen = self._cache.options.get(gi)
-        if seen is not None:
-            values = self._option_values(group)
-            if all(map(is_, values, seen[0])) and all(tuple(values[i]) == items
-                                                      for i, items in seen[1]):
-                return
-        self._named(gi, self._check_options, group)
-        self._remember_options(gi, group)
-
-    def _remember_options(self, gi: int, group: dict[str, Any]) -> None:
         values = self._option_values(group)
-        # a list (betas read from a config file) can be edited in place: its items are kept too
-        self._cache.options[gi] = (values, [(i, tuple(v)) for i, v in enumerate(values)
-                                            if type(v) is list])
-        if isinstance(group["lr"], torch.Tensor):
-            self._cache.lrs[gi] = group["lr"]
+        plan = self._plan(gi)
+        if not plan.options_fit(values):
+            self._named(gi, check_group, self._kind, group)
+            plan.checked(values, group["lr"])
 
     def _option_values(self, group: dict[str, Any]) -> tuple:
         return tuple(group.get(k, _MISSING) for k in self._option_keys)
@@ -255,7 +200,7 @@ class _TrustRatioOptimizer(Optimizer):
         if isinstance(out["state"], OptimizerState):
             out["state"] = out["state"].plain()
         out["skip_nonfinite"] = self.skip_nonfinite
-        for key in ("_cache", "_pending", "_stale", "_lock", "_load", "_zero_parent"):
+        for key in ("_cache", "_plans", "_pending", "_stale", "_lock", "_load", "_zero_parent"):
             out.pop(key, None)
         # a pickled optimizer keeps a reducer set by hand (set_grad_norm_reducer), not the
         # tensors' places of this process (keys, pieces, partitions), which name tensor ids
@@ -263,8 +208,8 @@ class _TrustRatioOptimizer(Optimizer):
         return out
 
     def _hook_saved_form(self) -> None:
-        """Registers ``_checkpoint.saved_form`` (at construction, and after unpickling: torch pickles no
-        hooks)."""
+        """Registers ``_checkpoint.saved_form`` (at construction, and after unpickling: torch
+        pickles no hooks)."""
         if _checkpoint.saved_form not in self._optimizer_state_dict_post_hooks.values():
             self.register_state_dict_post_hook(_checkpoint.saved_form, prepend=True)
 
@@ -315,9 +260,10 @@ class _TrustRatioOptimizer(Optimizer):
         ``lowp.random_key``) when some params have no grad or are sharded and the state may be
         stochastically rounded (docs/math.md, "Random bits"). Returns whether the params are
         sharded; with ``bases`` (a list: a traced step) the state as views of the bases it
-        appends there (Note [traced flat state]), None otherwise; and the error that refuses the
-        step as (type name, message), which the caller raises (under torch.compile dynamo would
-        wrap an error raised here into one of its own), None if there is none."""
+        appends there (Note [traced flat state] in fusedopt/_state.py), None otherwise; and the
+        error that refuses the step as (type name, message), which the caller raises (under
+        torch.compile dynamo would wrap an error raised here into one of its own), None if there
+        is none."""
         try:
             return (*self._gather(group, params, grads, steps, exp_avgs, exp_avg_sqs,
                                   momentum_buffers, masters, sources, keys, bases), None)
@@ -327,10 +273,10 @@ class _TrustRatioOptimizer(Optimizer):
     def _gather(self, group, params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers,
                 masters, sources, keys, bases) -> tuple[bool, tuple | None]:
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr is not self._cache.lrs.get(gi):
-            self._named(gi, check_lr_value, lr)  # Note [option checks]: once per new tensor lr
-            self._cache.lrs[gi] = lr
+        lr, plan = group["lr"], self._plan(gi)
+        if isinstance(lr, torch.Tensor) and lr is not plan.lr:
+            self._named(gi, check_lr_value, lr)  # Note [group plans]: once per new tensor lr
+            plan.lr = lr
         # Note [gathering]: what this does for every param at every step is written as C-level
         # loops over the params (map, list comprehensions, set, and fusedopt._C's native scans):
         # with thousands of tensors, each Python-level operation per param costs a measurable
@@ -437,45 +383,13 @@ class _TrustRatioOptimizer(Optimizer):
                       for key in {(p.device, p.dtype, g.dtype) for p, g in zip(lps, lgs)}}
         if "eager" in chosen:
             return sharded, None
-        return sharded, self._state_layout(
+        return sharded, _state.traced_layout(
             [columns[0], *(columns[1:3] if self._kind == "lamb" else (columns[1],)),
-             columns[-1] if master else [None] * len(ps)], bases)
-
-    def _state_layout(self, columns: list[list], bases: list) -> tuple:
-        """Note [traced flat state]: the flat state (Note [flat state] in fusedopt/_state.py) is tensors that share a
-        storage and that a step writes. Given to a traced step as graph inputs, they would alias
-        each other, and AOTAutograd would clone their storage once per tensor and copy it back
-        around the operators (time that grows with the square of the tensor count). A traced step
-        gets instead one tensor per storage (``bases``: each spans its storage, kept in the step
-        cache, the same object for as long as the cache lives, which the guards on it check) and
-        builds each state tensor as a view of it in the graph. Returns, per state list,
-        ``(base index, storage offset, shape, stride)`` of each entry (None: no master),
-        constants of the trace. The state tensors themselves are still appended to the lists,
-        which the traced step then replaces by the views: dynamo guards on them, so a step after
-        their replacement (``load_state_dict``) compiles again instead of writing the old
-        storages. Only for the backends that run as operators: inductor fuses the eager
-        backend's foreach operations, clones included, and views of the bases made its compile
-        slower without making its step faster (docs/performance.md)."""
-        cache, index = self._cache.bases, {}
-
-        def entry(t):
-            if t is None:
-                return None
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), t.device, t.dtype)
-            if key not in index:
-                base = cache.get(key)
-                if base is None:
-                    base = cache[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
-                index[key] = len(bases)
-                bases.append(base)
-            return index[key], t.storage_offset(), tuple(t.shape), tuple(t.stride())
-
-        return tuple(tuple(entry(t) for t in xs) for xs in columns)
+             columns[-1] if master else [None] * len(ps)], bases, self._cache.bases)
 
     def _group(self, group: dict[str, Any]) -> TensorGroup:
         """The group's lists from :meth:`_init_group` as a TensorGroup; under torch.compile the
-        state as views of its storages (Note [traced flat state])."""
+        state as views of its storages (Note [traced flat state] in fusedopt/_state.py)."""
         (params, grads, steps, exp_avgs, exp_avg_sqs, momentum_buffers, masters, sources,
          keys) = lists = ([], [], [], [], [], [], [], [], [])
         bases = [] if torch.compiler.is_compiling() else None
@@ -499,33 +413,23 @@ class _TrustRatioOptimizer(Optimizer):
             maximize=group["maximize"])
 
     def _kept_group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
-        """Note [list cache]: the group's lists as the last step gathered them, with this step's
-        grads, when nothing they depend on changed: the state mapping saw no edit
-        (``OptimizerState.edits``: a state dict or state tensor replaced or removed, state
-        created, ``load_state_dict``), ``group["params"]`` holds the same params, of the same
-        dtypes (which decide the master weights), the same ones have grads, and the group's
-        ``backend`` and ``master_weights`` are the same. Gathering
-        the lists costs each step a state lookup per param (a Python-level hash) and the reads of
-        thousands of state dicts, which a measurement put at a fifth of a step of 4000 small
-        tensors (docs/performance.md, "Gathering at every step"); a tensor whose data changed in
-        place (``p.data = ...``) is caught by the backend's bind (Note [kept layout] in
-        csrc/cpu/ops.h). Sharded groups are gathered at every step."""
+        """The group's lists, from its plan where they fit (Note [group plans] in
+        fusedopt/_plan.py), with this step's grads."""
         all_ps = group["params"]
         grads = grads_of(all_ps)
         # not `None in grads`: that calls Tensor.__eq__(None) on every grad, a torch dispatch each
         with_grad = (tuple(g is not None for g in grads)
                      if any(map(is_, grads, repeat(None))) else None)
         key = (self.state.edits, with_grad, group["backend"], group["master_weights"])
-        hit = self._cache.groups.get(gi)
-        if (hit is not None and hit[0] == key and hit[1] is all_ps and len(hit[2]) == len(all_ps)
-                and all(map(is_, all_ps, hit[2])) and _same_dtypes(all_ps, hit[4])):
+        plan = self._plan(gi)
+        kept = plan.kept_lists(key, all_ps)
+        if kept is not None:
             return dataclasses.replace(
-                hit[3], hyper=self._hyper(group), maximize=group["maximize"],
+                kept, hyper=self._hyper(group), maximize=group["maximize"],
                 grads=grads if with_grad is None else [x for x in grads if x is not None])
         g = self._group(group)
         if not g.sources:
-            self._cache.groups[gi] = ((self.state.edits, *key[1:]), all_ps, tuple(all_ps), g,
-                                      set(map(_DTYPE, all_ps)))
+            plan.keep((self.state.edits, *key[1:]), all_ps, g)
         return g
 
     def _step_reducer(self, groups: list[TensorGroup]):
@@ -573,8 +477,9 @@ class _TrustRatioOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():
-            # rows made per step (Note [flat partitions] in fusedopt/_sharding.py) and the local shards of DTensors
-            # (fresh tensor objects at every step, which dynamo cannot give sources) run eagerly
+            # rows made per step (Note [flat partitions] in fusedopt/_sharding.py) and the local
+            # shards of DTensors (fresh tensor objects at every step, which dynamo cannot give
+            # sources) run eagerly
             if self._sharding.partitions or self._sharded:
                 _step_outside_dynamo(self, None)
             else:
@@ -607,7 +512,7 @@ class _TrustRatioOptimizer(Optimizer):
         traced = torch.compiler.is_compiling()
         if not traced and type(self.state) is not OptimizerState:
             # replaced (`opt.state = defaultdict(dict)`, as some trainers reset an optimizer):
-            # counted again from a new counter, so nothing kept can match it (Note [list cache])
+            # counted again from a new counter, so nothing kept can match it (Note [group plans])
             self.state = OptimizerState(self.state)
             self._fresh()
         lrs = [g["lr"] for g in self.param_groups if isinstance(g["lr"], torch.Tensor)]
@@ -625,9 +530,9 @@ class _TrustRatioOptimizer(Optimizer):
         if traced:
             for gi, group in enumerate(self.param_groups):
                 lr = group["lr"]
-                # Note [option checks]: the guard (on identity) that traces again, and so reads,
-                # a tensor lr that is new to its group
-                if isinstance(lr, torch.Tensor) and id(lr) != id(self._cache.lrs[gi]):
+                # Note [group plans]: the guard (on identity) that traces again, and so reads, a
+                # tensor lr that is new to its group
+                if isinstance(lr, torch.Tensor) and id(lr) != id(self._plans[gi].lr):
                     raise AssertionError("unreachable: _init_group checked every tensor lr")
         trust_ratio_step(
             self._kind,
@@ -654,9 +559,9 @@ class _TrustRatioOptimizer(Optimizer):
         (they may return another, as one that maps params by name does, which is then the one
         loaded), the post-hooks the state as loaded.
 
-        Checkpoints of the optimizers fusedopt replaces resume (Note [foreign step counts] in fusedopt/_checkpoint.py):
-        apex's ``FusedLAMB`` and timm's ``Lamb`` keep the step count in the param group, torch's
-        ``SGD`` and timm's ``Lars`` keep none."""
+        Checkpoints of the optimizers fusedopt replaces resume (Note [foreign step counts] in
+        fusedopt/_checkpoint.py): apex's ``FusedLAMB`` and timm's ``Lamb`` keep the step count in
+        the param group, torch's ``SGD`` and timm's ``Lars`` keep none."""
         pre = self.register_load_state_dict_pre_hook(_TrustRatioOptimizer._loading)  # the last
         post = self.register_load_state_dict_post_hook(_TrustRatioOptimizer._loaded, prepend=True)
         try:
@@ -736,7 +641,6 @@ class FusedLAMB(_TrustRatioOptimizer):
 
     _kind = "lamb"
     _state_keys = ("exp_avg", "exp_avg_sq")
-    _validate_group = staticmethod(validate_lamb_group)
     _hyper = staticmethod(lamb_hyper)
 
     def __init__(
@@ -801,7 +705,6 @@ class FusedLARS(_TrustRatioOptimizer):
 
     _kind = "lars"
     _state_keys = ("momentum_buffer",)
-    _validate_group = staticmethod(validate_lars_group)
     _hyper = staticmethod(lars_hyper)
 
     def __init__(

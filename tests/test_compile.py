@@ -512,7 +512,7 @@ def test_torch_adam_recompiles_where_the_fused_step_does_not():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_step_refuses_a_bad_tensor_lr_and_changes_nothing(backend):
     """A nan or negative tensor lr that replaced the old one after compiling is refused, as by the
-    uncompiled step, with nothing changed; a good one after it steps again (Note [option checks],
+    uncompiled step, with nothing changed; a good one after it steps again (Note [group plans],
     Note [shared tensor lr]: the two groups start with one shared tensor lr)."""
     model, opt, step = _compiled_after_a_step(backend)
     step()

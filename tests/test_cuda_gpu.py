@@ -268,7 +268,7 @@ def test_tensor_lr_steps_without_a_host_sync(kind, lr_dtype, lr_device):
         opt = _optimizer(kind, params, lr=lr, max_grad_norm=1.0)
         for step in range(3):
             _set_grads(params, step)
-            if step:  # the first step reads a new tensor lr once (Note [option checks])
+            if step:  # the first step reads a new tensor lr once (Note [group plans])
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode(sync_mode or "default")
             try:

@@ -568,7 +568,7 @@ def test_kept_and_fresh_steps_agree(kind):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_a_param_whose_dtype_changed_after_steps_is_seen_by_the_kept_lists(backend):
-    """Note [list cache]: a param made bf16 in place after steps (its state has no master) is
+    """Note [group plans]: a param made bf16 in place after steps (its state has no master) is
     refused as on a step that gathers its lists afresh, not stepped without a master."""
     errors = []
     for fresh in (False, True):
