@@ -121,8 +121,7 @@ class _TrustRatioOptimizer(Optimizer):
         self._load = None  # what load_state_dict's pre-hook read, for its post-hook
         self._fresh()
         self._hook_saved_form()
-        for gi, group in enumerate(self.param_groups):  # add_param_group checked them
-            self._plan(gi).checked(self._option_values(group), group["lr"])
+        self._checked_all()  # add_param_group checked them
         first = next((p for g in self.param_groups for p in g["params"]), None)
         device = _local(first).device if first is not None else torch.device("cpu")
         #: steps skipped by ``skip_nonfinite`` since construction (an int64 tensor, never read on
@@ -155,8 +154,7 @@ class _TrustRatioOptimizer(Optimizer):
         _unshare_lrs(self.param_groups)
         if hasattr(self, "_cache"):
             self._fresh()
-            for gi, group in enumerate(self.param_groups):
-                self._plan(gi).checked(self._option_values(group), group["lr"])
+            self._checked_all()
 
     def _note_sharded(self, params) -> None:
         """Whether some param is a DTensor, decided outside a trace (dynamo sees an FSDP2 param
@@ -169,6 +167,11 @@ class _TrustRatioOptimizer(Optimizer):
         if plan is None:
             plan = self._plans[gi] = GroupPlan()
         return plan
+
+    def _checked_all(self) -> None:
+        """Every group's plan: its options as they are now were checked."""
+        for gi, group in enumerate(self.param_groups):
+            self._plan(gi).checked(self._option_values(group), group["lr"])
 
     def _checked_options(self, gi: int, group: dict[str, Any]) -> None:
         """The group's options, checked unless its plan vouches for them (Note [group plans] in
