@@ -23,6 +23,8 @@ from datetime import timedelta
 
 import torch
 
+from helpers import bits_equal
+
 WORLD = 2
 GLOBAL_BATCH = 8
 STEPS = 4
@@ -198,10 +200,10 @@ def refused_step(step, params, opt) -> dict:
         message = str(e)
     same_state = opt.state.keys() == state.keys() and all(
         st.keys() == opt.state[k].keys() and all(
-            torch.equal(v, opt.state[k][n]) if isinstance(v, torch.Tensor) else v == opt.state[k][n]
+            bits_equal(v, opt.state[k][n]) if isinstance(v, torch.Tensor) else v == opt.state[k][n]
             for n, v in st.items()) for k, st in state.items())
     return dict(refused=message, unchanged=same_state and all(
-        map(torch.equal, before, (_local(p).detach() for p in params))))
+        map(bits_equal, before, (_local(p).detach() for p in params))))
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

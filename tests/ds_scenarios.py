@@ -13,6 +13,7 @@ import sys
 import torch
 
 import dist_utils
+from helpers import bits_equal
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -81,6 +82,23 @@ def engine_for(kind, backend, cfg, enable=True, model_of=None, **opt_extra):
     return engine, opt
 
 
+def nan_padding(engine, opt) -> int:
+    """Fills with NaN the elements of the flat partitions of ``engine`` (enable_deepspeed_zero
+    called on it) that lie in none of their pieces, the padding that DeepSpeed aligns partitions
+    with (ZeRO-3 never writes its own: it holds whatever the memory held), so that a step reading
+    padding would show; returns how many elements it filled."""
+    filled = 0
+    for flat in flat_partitions(engine):
+        part = opt._sharding.partitions[id(flat)]
+        outside = torch.ones(flat.numel(), dtype=torch.bool)
+        for start, numel in zip(part.starts, part.numels):
+            outside[start:start + numel] = False
+        with torch.no_grad():
+            flat[outside] = float("nan")
+        filled += int(outside.sum())
+    return filled
+
+
 def train(ctx, engine, steps, first=0, data=None):
     rank, gas = ctx["rank"], engine.gradient_accumulation_steps()
     micro = GLOBAL_BATCH // (dist_utils.WORLD * gas)
@@ -131,6 +149,7 @@ def matches(ctx, kind, backend, stage, gas=1, offload=False, disabled_too=True):
         out["disabled"] = refused_without(ctx, engine, opt)
     for enable in (True,):
         engine, opt = engine_for(kind, backend, config(stage, gas, offload=offload), enable=enable)
+        out["padding"] = nan_padding(engine, opt)
         calls = []  # the gloo collectives of each call of the fusedopt optimizer's step
         step = opt.step
 
@@ -205,7 +224,8 @@ def same_grads(ctx, kind, backend, stage):
     engine, opt = engine_for(kind, backend, config(stage, bf16=True), enable=False)
     out = {"disabled": refused_without(ctx, engine, opt, data=lambda s: batch(s, torch.bfloat16))}
     for enable in (True,):
-        engine, _ = engine_for(kind, backend, config(stage, bf16=True), enable=enable)
+        engine, opt = engine_for(kind, backend, config(stage, bf16=True), enable=enable)
+        out["padding"] = nan_padding(engine, opt)
         params = list(engine.module.parameters())
         ref_model = make_model()
         with torch.no_grad():
@@ -237,14 +257,14 @@ def skip_nonfinite(ctx, backend):
     first = [g["params"][0].clone() for g in opt.param_groups]
     train(ctx, engine, 1)
     before = [g["params"][0].clone() for g in opt.param_groups]
-    stepped = not any(torch.equal(a, b) for a, b in zip(first, before))
+    stepped = not any(map(bits_equal, first, before))
     x, y = batch(1)
     micro = GLOBAL_BATCH // dist_utils.WORLD
     sl = slice(ctx["rank"] * micro, (ctx["rank"] + 1) * micro)
     loss = torch.nn.functional.cross_entropy(engine(x[sl]), y[sl])
     engine.backward(loss * float("nan") if ctx["rank"] == 1 else loss)
     engine.step()
-    unchanged = all(torch.equal(b, g["params"][0]) for b, g in zip(before, opt.param_groups))
+    unchanged = all(bits_equal(b, g["params"][0]) for b, g in zip(before, opt.param_groups))
     return {"stepped": stepped, "skipped": int(opt.skipped_steps), "unchanged": unchanged}
 
 
@@ -326,7 +346,7 @@ def refusals(ctx, backend):
     except ValueError as e:
         out["late_max_grad_norm"] = f"ValueError: {e}"
     out["unchanged"] = all(
-        torch.equal(p, g["params"][0]) and all(torch.equal(v, opt.state[g["params"][0]][k])
+        bits_equal(p, g["params"][0]) and all(bits_equal(v, opt.state[g["params"][0]][k])
                                               for k, v in st.items())
         for (p, st), g in zip(before, opt.param_groups))
     cfg = config(2)

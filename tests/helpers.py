@@ -152,3 +152,21 @@ def triton_module() -> tuple[bool, str]:
     if interpreted and triton_backend.interpreter_reason() is not None:
         pytest.skip(triton_backend.interpreter_reason(), allow_module_level=True)
     return interpreted, "cpu" if interpreted else "cuda"
+
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, except that NaN equals NaN (torch.equal has NaN unequal to itself, so a
+    tensor holding NaN, such as the never-written padding of DeepSpeed's ZeRO-3 partitions,
+    would never equal its own copy)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if a.is_complex():
+        a, b = torch.view_as_real(a).reshape(-1), torch.view_as_real(b).reshape(-1)
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    ia, ib = a.view(_INT_OF[a.element_size()]), b.view(_INT_OF[b.element_size()])
+    return bool(((ia == ib) | (torch.isnan(a) & torch.isnan(b))).all())

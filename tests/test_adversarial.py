@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 import fusedopt
 from fusedopt import lowp
 from fusedopt.reference import LAMB_SPEC, LARS_SPEC, ReferenceLAMB, ReferenceLARS
-from helpers import LAMB_HYPER_ST, LARS_HYPER_ST, backend_params
+from helpers import LAMB_HYPER_ST, LARS_HYPER_ST, backend_params, bits_equal
 
 BACKENDS = ("eager", "cpp")
 ERRORS = (ValueError, RuntimeError, TypeError)
@@ -48,26 +48,9 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None,
 
 
 # ----------------------------------------------------------------------------- comparisons
-_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-identical, except that NaN equals NaN."""
-    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return False
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    if a.is_complex():
-        a, b = torch.view_as_real(a).reshape(-1), torch.view_as_real(b).reshape(-1)
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    ia, ib = a.view(_INT_OF[a.element_size()]), b.view(_INT_OF[b.element_size()])
-    same = ia == ib
-    return bool((same | (torch.isnan(a) & torch.isnan(b))).all())
-
-
 def _values_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _bits_equal(a, b)
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and bits_equal(a, b)
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
