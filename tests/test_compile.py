@@ -20,7 +20,7 @@ import fusedopt
 from fusedopt import backends
 
 import test_adversarial as adversarial
-from helpers import backend_params
+from helpers import backend_params, bits_equal
 
 BACKENDS = backend_params(("eager", "cpp", "triton"))
 
@@ -702,7 +702,7 @@ def test_compiled_step_equals_uncompiled_on_random_configs(kind, low, data):
         runs.append([p.detach().clone() for p in ps]
                     + [v for p in ps for v in (run.opt.state.get(p) or {}).values()])
     assert len(runs[0]) == len(runs[1])
-    assert all(map(adversarial._bits_equal, *runs)), cfg
+    assert all(map(bits_equal, *runs)), cfg
 
 
 def test_dtensor_params_put_into_a_group_in_place_step_as_uncompiled():
