@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -210,6 +212,40 @@ def _create_own(st: ParamState, keys: tuple[str, ...], group: dict[str, Any], p:
         st[key] = lowp.zeros(lp if fmt == "8bit" else p, fmt, dtype=cd)
     if uses_master(group, lp):
         st["master_param"] = p.detach().to(torch.float32, copy=True)
+
+
+def columns(owner: str, gi: int, group: dict[str, Any], states: list, keys: tuple[str, ...],
+            ps: list, all_ps: list, lps: list) -> tuple[list[list], bool, list]:
+    """The state lists of the rows ``ps`` of param group ``gi`` (``all_ps``: all of the group's
+    params; ``lps``: the rows' local tensors; ``states``: their state dicts): the step counts,
+    the moments ``keys``, and last the masters (None for a param without) where some row steps
+    through one; whether one does; and the rows whose state keeps a master the group no longer
+    uses (master weights turned off since), which the step drops once it succeeded. Raises,
+    naming the param, where a state lacks a tensor."""
+    dtypes = set(map(attrgetter("dtype"), lps))
+    master = group["master_weights"] is not False and not dtypes.isdisjoint(LOW_PRECISION)
+    low = ([True] * len(lps) if dtypes <= set(LOW_PRECISION)
+           else [p.dtype in LOW_PRECISION for p in lps]) if master else [False] * len(lps)
+    names = ("step", *keys)
+    try:
+        out = [[st[k] for st in states] for k in names]
+        if master:
+            out.append([st["master_param"] if lo else None for st, lo in zip(states, low)])
+    except KeyError:
+        i, key = next((i, k) for i, st in enumerate(states) for k in (*names, "master_param")
+                      if k not in st and (k != "master_param" or low[i]))
+        j = next(k for k, q in enumerate(all_ps) if q is ps[i])
+        raise RuntimeError(f"{owner}: param {j} of param group {gi} has no state tensor {key!r} "
+                           "(a state dict of another optimizer, or master weights switched on "
+                           "after steps?)") from None
+    if master and sum(map(is_, out[-1], repeat(None))) != low.count(False):
+        # a None master would step its param as if it had none
+        i = next(i for i, (m, lo) in enumerate(zip(out[-1], low)) if lo and m is None)
+        raise TypeError(f"{owner}: param group {gi}, param {i} of those with grads: state "
+                        "'master_param' is NoneType, not a tensor")
+    stale = ([p for p, st in zip(ps, states) if "master_param" in st]
+             if not master and max(map(len, states)) > len(names) else [])
+    return out, master, stale
 
 
 def traced_layout(columns: list[list], bases: list, kept: dict[tuple, torch.Tensor]) -> tuple:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 from itertools import chain, repeat
-from operator import attrgetter, is_
+from operator import is_
 from typing import Any, Callable
 
 import torch
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.optim import Optimizer
 
-from . import _adapters, _checkpoint
+from . import _adapters, _checkpoint, _traced
 from . import backends as _backends
 from . import lowp
 from ._bucket import StepCache, compute_dtype
@@ -32,12 +32,10 @@ from ._hyper import (
 )
 from . import _state
 from ._sharding import Sharding
-from ._state import LOW_PRECISION as _LOW_PRECISION
 from ._plan import GroupPlan
 from ._state import OptimizerState
 from .functional import TensorGroup, check_new_params, trust_ratio_step
 
-_DTYPE = attrgetter("dtype")
 _MISSING = object()  # an option deleted from a param group
 # the options that say how this process runs and stores the step, not what was learned: a loaded
 # state dict does not replace them (its state is converted to the groups' state_precision)
@@ -45,49 +43,6 @@ _MISSING = object()  # an option deleted from a param group
 # optimizer's own)
 _OWN_OPTIONS = ("backend", "state_precision", "state_min_numel", "fused", "foreach",
                 "capturable", "differentiable")
-
-
-def _guard_on(tensors) -> None:
-    """Note [traced flat state]: under dynamo, make the traced step's guards cover ``tensors``
-    (reading an attribute realizes each one's lazy variable, and with it the guard on its
-    identity) although the graph does not use them (dynamo then drops them as inputs)."""
-    for x in tensors:
-        if x is not None:
-            _ = x.dtype
-
-
-def _unshare_lrs(groups) -> None:
-    """Note [shared tensor lr]: a tensor lr object found in several groups is replaced, in each
-    group after the first, by a view of it."""
-    seen = set()
-    for g in groups:
-        lr = g.get("lr")
-        if isinstance(lr, torch.Tensor):
-            if id(lr) in seen:
-                g["lr"] = lr.view(lr.shape)
-            seen.add(id(g["lr"]))
-
-
-# Run eagerly when a traced step calls them (a graph break there). torch's lazy form of
-# torch._dynamo.disable: importing dynamo at import time would import triton (Note [lazy import]
-# in fusedopt/backends/triton_backend.py).
-@torch._disable_dynamo
-def _step_outside_dynamo(opt: "_TrustRatioOptimizer", closure):
-    return opt._stepped(closure)
-
-
-@torch._disable_dynamo
-def _unshare_lrs_outside_graph(opt: "_TrustRatioOptimizer") -> None:
-    _unshare_lrs(opt.param_groups)
-
-
-@torch._disable_dynamo
-def _drop_stale(opt: "_TrustRatioOptimizer") -> None:
-    """Note [refused steps] under torch.compile: the stale masters that a traced step found,
-    dropped after its graph ran."""
-    for p in opt._stale:
-        opt.state[p].pop("master_param", None)
-    opt._stale.clear()
 
 
 class _TrustRatioOptimizer(Optimizer):
@@ -151,7 +106,7 @@ class _TrustRatioOptimizer(Optimizer):
                                  "them in a group with state_precision='full')")
         super().add_param_group(param_group)
         self._note_sharded(params)
-        _unshare_lrs(self.param_groups)
+        _traced.unshare_lrs(self.param_groups)
         if hasattr(self, "_cache"):
             self._fresh()
             self._checked_all()
@@ -332,33 +287,9 @@ class _TrustRatioOptimizer(Optimizer):
             if self._pending is not None:
                 self._pending[0].extend(fresh)
             states = list(map(state.get, ps))
-        dtypes = set(map(_DTYPE, lps))
-        low = (group["master_weights"] is not False) and [d in _LOW_PRECISION for d in dtypes]
-        master = bool(low) and any(low)
-        if master:
-            low = [True] * len(lps) if all(low) else [p.dtype in _LOW_PRECISION for p in lps]
-        names = ("step", *self._state_keys)
-        try:
-            columns = [[st[k] for st in states] for k in names]
-            if master:
-                columns.append([st["master_param"] if lo else None for st, lo in zip(states, low)])
-        except KeyError:
-            i, key = next((i, k) for i, st in enumerate(states)
-                          for k in (*names, "master_param") if k not in st
-                          and (k != "master_param" or low[i]))
-            j = next(k for k, q in enumerate(all_ps) if q is ps[i])
-            raise RuntimeError(f"{type(self).__name__}: param {j} of param group {gi} has no "
-                               f"state tensor {key!r} (a state dict of another optimizer, or "
-                               "master weights switched on after steps?)") from None
-        if master and sum(map(is_, columns[-1], repeat(None))) != low.count(False):
-            # a None master would step its param as if it had none
-            i = next(i for i, (m, lo) in enumerate(zip(columns[-1], low)) if lo and m is None)
-            raise TypeError(f"{type(self).__name__}: param group {gi}, param {i} of those with "
-                            "grads: state 'master_param' is NoneType, not a tensor")
-        if not master and max(map(len, states)) > len(names):
-            # stale masters (a state with more keys than this kind's): dropped once the step
-            # has succeeded (Note [refused steps])
-            stale = [p for p, st in zip(ps, states) if "master_param" in st]
+        columns, master, stale = _state.columns(type(self).__name__, gi, group, states,
+                                                self._state_keys, ps, all_ps, lps)
+        if stale:  # dropped once the step has succeeded (Note [refused steps])
             (self._pending[1] if self._pending is not None else self._stale).extend(stale)
         if sharded:
             columns = [[x if x is None else _local(x) for x in xs] for xs in columns]
@@ -403,7 +334,7 @@ class _TrustRatioOptimizer(Optimizer):
         lamb = self._kind == "lamb"
         state = [exp_avgs, exp_avg_sqs] if lamb else [momentum_buffers]
         if layout is not None:
-            _guard_on(chain(steps, *state, masters))
+            _traced.guard_on(chain(steps, *state, masters))
             steps, *state, masters = ([None if e is None else bases[e[0]].as_strided(e[2], e[3], e[1])
                                        for e in column] for column in layout)
         return TensorGroup(
@@ -449,19 +380,12 @@ class _TrustRatioOptimizer(Optimizer):
         self._cache.reducer = (sources, reducer)
         return reducer
 
-    # Note [shared tensor lr]: several param groups given one tensor lr object (the default lr of
-    # the constructor, or one tensor put in several groups) each get a view of it instead: the
-    # same storage, so a change made in place (as torch's schedulers make it) reaches every
-    # group, but an object per group. torch.compile keeps one graph input per tensor object and
-    # guards only the first place it found it: with a shared object, a tensor later assigned to
-    # one group alone would not be seen by the compiled step (torch's compiled Adam has this
-    # fault), nor would the guard that makes a new tensor lr be checked.
     # Note [refused steps]: a step that raises has changed nothing. Everything that can refuse
     # it is checked before the first write (fusedopt.functional's phase 0); the state that a step
     # creates for params without state is created only after their own checks
     # (check_new_params) and removed again if the step raises later; masters left over from
     # before master_weights was turned off are dropped only once the step succeeded (under
-    # torch.compile, after its graph ran: _drop_stale).
+    # torch.compile, after its graph ran: _traced.drop_stale).
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
         return self._stepped(closure)
@@ -469,12 +393,12 @@ class _TrustRatioOptimizer(Optimizer):
     @torch.no_grad()
     def _stepped(self, closure: Callable[[], Any] | None):
         """``step()`` within torch's wrapper of it, which runs the step hooks once per step: a
-        step that leaves a trace to run eagerly (``_step_outside_dynamo``) comes back here."""
+        step that leaves a trace to run eagerly (``_traced.step_outside_dynamo``) comes back here."""
         if not torch.compiler.is_compiling() and get_eval_frame_callback() is not None:
             # Note [refused steps] under torch.compile: a step that dynamo could not trace (it
             # refused a value, or hit what it cannot trace) runs eagerly, and none of its frames
             # may be compiled on its own (they hand each other views of the flat state)
-            return _step_outside_dynamo(self, closure)
+            return _traced.step_outside_dynamo(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -484,7 +408,7 @@ class _TrustRatioOptimizer(Optimizer):
             # shards of DTensors (fresh tensor objects at every step, which dynamo cannot give
             # sources) run eagerly
             if self._sharding.partitions or self._sharded:
-                _step_outside_dynamo(self, None)
+                _traced.step_outside_dynamo(self, None)
             else:
                 self._step()
             return loss
@@ -521,9 +445,9 @@ class _TrustRatioOptimizer(Optimizer):
         lrs = [g["lr"] for g in self.param_groups if isinstance(g["lr"], torch.Tensor)]
         if len(set(map(id, lrs))) < len(lrs):  # one object in several groups
             if traced:  # before anything is traced: a graph break here costs nothing
-                _unshare_lrs_outside_graph(self)
+                _traced.unshare_lrs_outside_graph(self)
             else:
-                _unshare_lrs(self.param_groups)
+                _traced.unshare_lrs(self.param_groups)
         for gi, group in enumerate(self.param_groups):
             self._checked_options(gi, group)
         if not traced:
@@ -548,7 +472,7 @@ class _TrustRatioOptimizer(Optimizer):
             skipped_steps=self.skipped_steps,
         )
         if traced and self._stale:
-            _drop_stale(self)
+            _traced.drop_stale(self)
 
     # ------------------------------------------------------------ checkpoint
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -580,7 +504,7 @@ class _TrustRatioOptimizer(Optimizer):
 
     def _loaded(self) -> None:
         """The first post-hook of ``load_state_dict``: the state as this optimizer keeps it."""
-        _unshare_lrs(self.param_groups)
+        _traced.unshare_lrs(self.param_groups)
         self._fresh()  # Note [step cache]; the loaded options are checked at step()
         _checkpoint.finish(self, self._load)
 

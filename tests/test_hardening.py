@@ -136,6 +136,27 @@ def test_masters_turned_off_step_the_param_itself(backend):
     assert "master_param" not in opt.state[p]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_state_tensor_missing_past_the_first_params_is_named(kind, backend):
+    """A moment deleted from the third of three float32 params: the step refuses naming that
+    param and key, and changes nothing (the search for the missing key passes params that lack
+    only a master, which float32 params need not have)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, generator=gen)) for _ in range(3)]
+    opt = OPTIMIZERS[kind](params, lr=0.1, backend=backend)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(4, generator=gen)
+        opt.step()
+    key = "exp_avg" if kind == "lamb" else "momentum_buffer"
+    del opt.state[params[2]][key]
+    before = snapshot([opt])
+    with pytest.raises(RuntimeError, match=f"param 2 of param group 0 has no state tensor '{key}'"):
+        opt.step()
+    assert changed(before, snapshot([opt])) == []
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_load_state_dict_keeps_the_constructed_backend(kind):
     """The backend is how this process runs, not state: loading another optimizer's state, or a
