@@ -17,7 +17,7 @@ of a step (``step_axes``) are
 
 * the bucket's dtypes: every (param dtype, grad dtype) pair among torch's floating-point dtypes
   that ``TritonBackend.unavailable_reason`` accepts on a CUDA device, with and without fp32
-  masters where the optimizer keeps them (``fusedopt.optim._LOW_PRECISION``);
+  masters where the optimizer keeps them (``fusedopt._state.LOW_PRECISION``);
 * the bucket's layout: two tensors, both 16-byte aligned, both misaligned, or one of each;
 * the state format of the two tensors (docs/math.md, "Low-precision state"): full, bf16, 8-bit,
   or one 8-bit and one bf16 (float64 params keep full state, the only one they take);
@@ -172,7 +172,7 @@ def step_axes() -> dict:
     name -> values, and the hyper-parameter defaults."""
     import torch
 
-    from fusedopt import optim
+    from fusedopt._state import LOW_PRECISION
     from fusedopt.backends.triton_backend import TritonBackend
     be = TritonBackend()
     cuda = torch.device("cuda")
@@ -180,7 +180,7 @@ def step_axes() -> dict:
     pairs = [(p, g) for p in floats for g in floats if be.unavailable_reason(cuda, p, g) is None]
     supported = sorted({p for p, _ in pairs} | {g for _, g in pairs}, key=str)
     combos = [(p, g, m) for p, g in pairs
-              for m in ((False, True) if p in optim._LOW_PRECISION else (False,))]
+              for m in ((False, True) if p in LOW_PRECISION else (False,))]
     out = {}
     for kind in ("lamb", "lars"):
         base, hyper = _hyper_axes(kind, supported)
