@@ -41,8 +41,10 @@ def unshare_lrs(groups) -> None:
 # torch._dynamo.disable: importing dynamo at import time would import triton (Note [lazy import]
 # in fusedopt/backends/triton_backend.py).
 @torch._disable_dynamo
-def step_outside_dynamo(opt: Any, closure):
-    return opt._stepped(closure)
+def step_outside_dynamo(step: Any, opt: Any, closure):
+    """``step``: the optimizer class's own step(), not torch's wrapper of it (whose step hooks
+    have run once already)."""
+    return step(opt, closure)
 
 
 @torch._disable_dynamo

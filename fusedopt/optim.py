@@ -386,19 +386,18 @@ class _TrustRatioOptimizer(Optimizer):
     # (check_new_params) and removed again if the step raises later; masters left over from
     # before master_weights was turned off are dropped only once the step succeeded (under
     # torch.compile, after its graph ran: _traced.drop_stale).
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
-        return self._stepped(closure)
-
-    @torch.no_grad()
-    def _stepped(self, closure: Callable[[], Any] | None):
-        """``step()`` within torch's wrapper of it, which runs the step hooks once per step: a
-        step that leaves a trace to run eagerly (``_traced.step_outside_dynamo``) comes back here."""
+        # Note [fallen back]: a frame of the step that dynamo gave up on (it refused a value, hit
+        # what it cannot trace, or reached its recompile limit, which counts every optimizer's
+        # compiles of the same code) runs eagerly while dynamo would compile each frame it calls
+        # on its own; none of them may be (they hand each other views of the flat state, and
+        # Note [refused steps] needs the eager step's bookkeeping), so the step is run again
+        # outside dynamo. The test is written out in each frame: a helper would be a frame
+        # that dynamo compiles.
         if not torch.compiler.is_compiling() and get_eval_frame_callback() is not None:
-            # Note [refused steps] under torch.compile: a step that dynamo could not trace (it
-            # refused a value, or hit what it cannot trace) runs eagerly, and none of its frames
-            # may be compiled on its own (they hand each other views of the flat state)
-            return _traced.step_outside_dynamo(self, closure)
+            return _traced.step_outside_dynamo(_TrustRatioOptimizer.step, self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -408,7 +407,7 @@ class _TrustRatioOptimizer(Optimizer):
             # shards of DTensors (fresh tensor objects at every step, which dynamo cannot give
             # sources) run eagerly
             if self._sharding.partitions or self._sharded:
-                _traced.step_outside_dynamo(self, None)
+                _traced.step_outside_dynamo(_TrustRatioOptimizer.step, self, None)
             else:
                 self._step()
             return loss
@@ -435,7 +434,10 @@ class _TrustRatioOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
-        # not an argument: dynamo may compile this frame on its own while step() runs eagerly
+        if not torch.compiler.is_compiling() and get_eval_frame_callback() is not None:
+            # Note [fallen back]: dynamo traced step() up to this call and gave up on this frame
+            _traced.step_outside_dynamo(_TrustRatioOptimizer.step, self, None)
+            return
         traced = torch.compiler.is_compiling()
         if not traced and type(self.state) is not OptimizerState:
             # replaced (`opt.state = defaultdict(dict)`, as some trainers reset an optimizer):

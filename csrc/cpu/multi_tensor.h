@@ -194,18 +194,6 @@ inline const char* cpu_isa_name() {
   }
 }
 
-template <typename F>
-void run_chunks(const F& f, const Chunk* chunks, int64_t begin, int64_t end) {
-#ifdef FUSEDOPT_ISA_CLONES
-  switch (cpu_isa()) {
-    case Isa::kAvx512: return run_chunks_avx512(f, chunks, begin, end);
-    case Isa::kAvx2: return run_chunks_avx2(f, chunks, begin, end);
-    default: break;
-  }
-#endif
-  run_chunks_baseline(f, chunks, begin, end);
-}
-
 // The chunks of a list of tensors (see Note [chunk partition]).
 class ChunkTable {
  public:
@@ -233,10 +221,11 @@ class ChunkTable {
   int64_t tensor_end(int64_t i) const { return first_[i + 1]; }  // [begin, end)
   int64_t total_elements() const { return elems_before_.back(); }
 
-  // Runs f(c, chunk) for every chunk c (f force-inlined, see run_chunks) in ONE parallel region
-  // for the whole bucket: each thread takes a contiguous run of chunks holding about
-  // total/threads elements (so many small tensors cost one fork/join, not one per tensor).
-  // Buckets of at most kChunk elements run inline without forking.
+  // Runs f(c, chunk) for every chunk c (f force-inlined, see run_chunks_baseline), in the ISA
+  // clone that cpu_isa() chose, in ONE parallel region for the whole bucket: each thread takes a
+  // contiguous run of chunks holding about total/threads elements (so many small tensors cost
+  // one fork/join, not one per tensor). Buckets of at most kChunk elements run inline without
+  // forking.
   template <typename F>
   void parallel_for(const F& f) const {
     const int64_t total = total_elements();
@@ -245,8 +234,16 @@ class ChunkTable {
         std::min<int64_t>(at::get_num_threads(), (total + kChunk - 1) / kChunk), size());
     auto run = [&](int64_t slot_begin, int64_t slot_end) {
       for (int64_t s = slot_begin; s < slot_end; ++s) {
-        run_chunks(f, chunks_.data(), first_chunk_at(total * s / slots),
-                   first_chunk_at(total * (s + 1) / slots));
+        const int64_t begin = first_chunk_at(total * s / slots);
+        const int64_t end = first_chunk_at(total * (s + 1) / slots);
+#ifdef FUSEDOPT_ISA_CLONES
+        switch (cpu_isa()) {
+          case Isa::kAvx512: run_chunks_avx512(f, chunks_.data(), begin, end); continue;
+          case Isa::kAvx2: run_chunks_avx2(f, chunks_.data(), begin, end); continue;
+          default: break;
+        }
+#endif
+        run_chunks_baseline(f, chunks_.data(), begin, end);
       }
     };
     if (slots <= 1) {
