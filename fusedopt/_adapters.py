@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import weakref
 from itertools import repeat
+from typing import Any
 
 #: torch.distributed.fsdp (FSDP1) sets this attribute, True, on every param it flattens into a
 #: FlatParameter (use_orig_params=True: the params the optimizer steps) and on the FlatParameter

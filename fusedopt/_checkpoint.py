@@ -21,7 +21,8 @@ import torch
 from . import lowp
 from ._bucket import compute_dtype
 from ._bucket import local as _local
-from ._state import state_format
+from ._sharding import Sharding
+from ._state import OptimizerState, state_format
 from .flat import _dense_layout, laid_out_as
 
 _SUFFIXES = (lowp.BLOCKS_SUFFIX, lowp.V1_SUFFIX)
@@ -279,3 +280,36 @@ def saved_form(opt, out: dict[str, Any]) -> dict[str, Any]:
             if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
                 st[key], st[key + lowp.BLOCKS_SUFFIX] = lowp.saved_form(t, p)
     return out
+
+
+def pickled(opt, out: dict[str, Any]) -> dict[str, Any]:
+    """``__getstate__``: torch's pickled form ``out`` of ``opt`` less what belongs to this
+    process (the step's caches, its lock, the loader's hand-over)."""
+    if isinstance(out["state"], OptimizerState):
+        out["state"] = out["state"].plain()
+    out["skip_nonfinite"] = opt.skip_nonfinite
+    for key in ("_cache", "_plans", "_pending", "_stale", "_lock", "_load", "_zero_parent"):
+        out.pop(key, None)
+    # a pickled optimizer keeps a reducer set by hand (set_grad_norm_reducer), not the tensors'
+    # places of this process (keys, pieces, partitions), which name tensor ids
+    out["_sharding"] = Sharding(reducer=opt._sharding.reducer)
+    return out
+
+
+def unpickled(opt) -> None:
+    """``__setstate__`` after torch's (unpickling, and torch's ``load_state_dict``, which calls
+    it): what a pickle of an earlier version lacks, and the groups' options."""
+    opt.state = OptimizerState(opt.state)
+    d = opt.__dict__
+    # the constructor's options: torch's __setstate__ adds keys of its own to defaults
+    # (differentiable), which the groups must not gain (state_dict() would then differ from the
+    # one loaded)
+    d.setdefault("_option_keys", tuple(opt.defaults))
+    d.setdefault("skip_nonfinite", False)
+    d.setdefault("_sharding", Sharding(reducer=d.pop("_reducer", None)))  # kept by load_state_dict
+    d.setdefault("_zero_parent", None)
+    if "skipped_steps" not in d:
+        opt.skipped_steps = torch.zeros((), dtype=torch.int64)
+    for group in opt.param_groups:
+        for k in opt._option_keys:
+            group.setdefault(k, opt.defaults[k])

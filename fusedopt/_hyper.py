@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import lowp
+from ._bucket import compute_dtype, local
 
 BACKEND_NAMES = ("auto", "eager", "cpp", "triton", "cuda")
 DENOMINATORS = ("sum", "combined")
@@ -221,6 +222,19 @@ def check_group(kind: str, group: dict[str, Any]) -> None:
     mn = group["state_min_numel"]
     if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
         raise ValueError(f"Invalid state_min_numel: {mn!r}; expected an int >= 0")
+
+
+def check_param_dtypes(h: "LambHyper | LarsHyper", state_precision: str, params) -> None:
+    """Raise ValueError where a group's options (``h``, ``state_precision``) cannot step its
+    ``params``: a hyper-parameter their compute dtype cannot hold (check_representable), or
+    low-precision state asked of float64 params."""
+    for dtype in {compute_dtype(local(p).dtype) for p in params
+                  if isinstance(p, torch.Tensor) and p.is_floating_point()}:
+        check_representable(h, dtype)
+        if dtype == torch.float64 and state_precision != "full":
+            raise ValueError(f"state_precision={state_precision!r} stores float32 moments in low "
+                             "precision; float64 params keep full state (put them in a group "
+                             "with state_precision='full')")
 
 
 def check_representable(h: "LambHyper | LarsHyper", dtype: torch.dtype) -> None:

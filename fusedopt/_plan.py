@@ -31,12 +31,15 @@ fusedopt/_bucket.py).
 """
 from __future__ import annotations
 
+import dataclasses
+from itertools import repeat
 from operator import attrgetter, is_
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ._bucket import dtype_codes
+from ._bucket import grads as grads_of
 
 _DTYPE = attrgetter("dtype")
 
@@ -68,13 +71,25 @@ class GroupPlan:
         if isinstance(lr, torch.Tensor):
             self.lr = lr
 
-    def kept_lists(self, key: tuple, params: list) -> Any:
-        """The lists kept for ``key`` and the group's list ``params``, None if they do not fit."""
+    def group(self, state, group: dict[str, Any], gather: Callable[[dict[str, Any]], Any],
+              hyper: Callable[[dict[str, Any]], Any]):
+        """The group's lists (a TensorGroup) with this step's grads and ``hyper(group)``: the kept
+        ones where they fit (``state``: the optimizer's OptimizerState), else
+        ``gather(group)``'s, kept unless sharded."""
+        all_ps = group["params"]
+        grads = grads_of(all_ps)
+        # not `None in grads`: that calls Tensor.__eq__(None) on every grad, a torch dispatch each
+        with_grad = (tuple(g is not None for g in grads)
+                     if any(map(is_, grads, repeat(None))) else None)
+        key = (state.edits, with_grad, group["backend"], group["master_weights"])
         hit = self.kept
-        if (hit is not None and hit[0] == key and hit[1] is params and len(hit[2]) == len(params)
-                and all(map(is_, params, hit[2])) and _same_dtypes(params, hit[4])):
-            return hit[3]
-        return None
-
-    def keep(self, key: tuple, params: list, lists: Any) -> None:
-        self.kept = (key, params, tuple(params), lists, set(map(_DTYPE, params)))
+        if (hit is not None and hit[0] == key and hit[1] is all_ps and len(hit[2]) == len(all_ps)
+                and all(map(is_, all_ps, hit[2])) and _same_dtypes(all_ps, hit[4])):
+            return dataclasses.replace(
+                hit[3], hyper=hyper(group), maximize=group["maximize"],
+                grads=grads if with_grad is None else [x for x in grads if x is not None])
+        g = gather(group)
+        if not g.sources:  # the edits counted after gathering, which may have created state
+            self.kept = ((state.edits, *key[1:]), all_ps, tuple(all_ps), g,
+                         set(map(_DTYPE, all_ps)))
+        return g

@@ -56,6 +56,20 @@ class Sharding:
                                "register (added after it?): call "
                                "fusedopt.distributed.enable_fsdp1(model, optimizer) again")
 
+    def random_keys(self, ps: list, all_ps: list, all_grads: list, lps: list,
+                    sharded: bool) -> list | None:
+        """The keys of the random bits of the rows ``ps`` (those of the group's params
+        ``all_ps`` with grads ``all_grads``; ``lps``: their local tensors, ``sharded``: DTensor
+        shards), where they are not the rows' indices (docs/math.md, "Random bits"); else
+        None."""
+        if not (sharded or ps is not all_ps or self.keys):
+            return None
+        rows = (range(len(ps)) if ps is all_ps
+                else [i for i, g in enumerate(all_grads) if g is not None])
+        if self.keys:  # params numbered as in the groups they were taken from
+            rows = [self.keys.get(id(p), i) for i, p in zip(rows, ps)]
+        return list(map(lowp.random_key, rows, ps, lps)) if sharded else rows
+
     def holds_partitions(self, ps: list) -> bool:
         return bool(self.partitions) and not self.partitions.keys().isdisjoint(map(id, ps))
 

@@ -58,6 +58,7 @@ import contextlib
 import math
 import sys
 from dataclasses import dataclass
+from operator import is_
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, TypeVar
 
 import torch
@@ -346,10 +347,22 @@ class _ZeroGradSqReducer:
         return None
 
 
-def reducer_for(groups, param_groups) -> ShardedNormReducer | None:
+def reducer_for(groups, param_groups, cache=None) -> ShardedNormReducer | None:
     """The reducer of one step over ``groups`` (:class:`fusedopt.functional.TensorGroup`, whose
     ``sources`` hold the DTensor params): the sharded one when a param of the step is a DTensor
-    with a ``Shard`` placement, else None (no communication)."""
+    with a ``Shard`` placement, else None (no communication). ``cache``: the optimizer's
+    StepCache, which keeps it for the steps over the same DTensors."""
+    sources = [p for g in groups for p in (g.sources or ())]
+    kept = cache.reducer if cache is not None else None
+    if kept is not None and len(kept[0]) == len(sources) and all(map(is_, kept[0], sources)):
+        return kept[1]
+    reducer = _new_reducer(groups, param_groups)
+    if cache is not None:
+        cache.reducer = (sources, reducer)
+    return reducer
+
+
+def _new_reducer(groups, param_groups) -> ShardedNormReducer | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     dtensor_type = _dtensor_type()

@@ -17,8 +17,7 @@ from torch.optim import Optimizer
 
 from . import _adapters, _checkpoint, _traced
 from . import backends as _backends
-from . import lowp
-from ._bucket import StepCache, compute_dtype
+from ._bucket import StepCache
 from ._bucket import grads as grads_of
 from ._bucket import local as _local
 from ._hyper import (
@@ -26,7 +25,7 @@ from ._hyper import (
     LARS_DEFAULTS,
     check_group,
     check_lr_value,
-    check_representable,
+    check_param_dtypes,
     lamb_hyper,
     lars_hyper,
 )
@@ -70,18 +69,24 @@ class _TrustRatioOptimizer(Optimizer):
         self._option_keys = tuple(defaults)
         super().__init__(params, defaults)
         self.state = OptimizerState(self.state)  # Note [group plans]
-        self._pending: tuple[list, list] | None = None  # Note [refused steps]
-        self._stale: list = []  # stale masters a traced step found (Note [refused steps])
-        self._lock = threading.Lock()
         self._load = None  # what load_state_dict's pre-hook read, for its post-hook
-        self._fresh()
-        self._hook_saved_form()
+        self._own()
         self._checked_all()  # add_param_group checked them
         first = next((p for g in self.param_groups for p in g["params"]), None)
         device = _local(first).device if first is not None else torch.device("cpu")
         #: steps skipped by ``skip_nonfinite`` since construction (an int64 tensor, never read on
         #: the host by the optimizer)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+
+    def _own(self) -> None:
+        """What belongs to this process, made at construction and by ``__setstate__`` (after
+        unpickling, since torch pickles no hooks, and in torch's ``load_state_dict``)."""
+        self._pending: tuple[list, list] | None = None  # Note [refused steps]
+        self._stale: list = []  # stale masters a traced step found (Note [refused steps])
+        self._lock = threading.Lock()
+        self._fresh()
+        if _checkpoint.saved_form not in self._optimizer_state_dict_post_hooks.values():
+            self.register_state_dict_post_hook(_checkpoint.saved_form, prepend=True)
 
     def _fresh(self) -> None:
         self._cache = StepCache()  # Note [step cache]
@@ -96,14 +101,7 @@ class _TrustRatioOptimizer(Optimizer):
         # a list from here on, as torch's add_param_group makes it: a generator read here would
         # leave torch's none
         params = param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
-        h = self._hyper(candidate)
-        for dtype in {compute_dtype(_local(p).dtype) for p in params
-                      if isinstance(p, torch.Tensor) and p.is_floating_point()}:
-            check_representable(h, dtype)
-            if dtype == torch.float64 and candidate["state_precision"] != "full":
-                raise ValueError(f"state_precision={candidate['state_precision']!r} stores float32 "
-                                 "moments in low precision; float64 params keep full state (put "
-                                 "them in a group with state_precision='full')")
+        check_param_dtypes(self._hyper(candidate), candidate["state_precision"], params)
         super().add_param_group(param_group)
         self._note_sharded(params)
         _traced.unshare_lrs(self.param_groups)
@@ -154,45 +152,13 @@ class _TrustRatioOptimizer(Optimizer):
             raise type(e)(f"{type(self).__name__}: param group {gi}: {e}") from None
 
     def __getstate__(self) -> dict[str, Any]:
-        out = super().__getstate__()
-        if isinstance(out["state"], OptimizerState):
-            out["state"] = out["state"].plain()
-        out["skip_nonfinite"] = self.skip_nonfinite
-        for key in ("_cache", "_plans", "_pending", "_stale", "_lock", "_load", "_zero_parent"):
-            out.pop(key, None)
-        # a pickled optimizer keeps a reducer set by hand (set_grad_norm_reducer), not the
-        # tensors' places of this process (keys, pieces, partitions), which name tensor ids
-        out["_sharding"] = Sharding(reducer=self._sharding.reducer)
-        return out
-
-    def _hook_saved_form(self) -> None:
-        """Registers ``_checkpoint.saved_form`` (at construction, and after unpickling: torch
-        pickles no hooks)."""
-        if _checkpoint.saved_form not in self._optimizer_state_dict_post_hooks.values():
-            self.register_state_dict_post_hook(_checkpoint.saved_form, prepend=True)
+        return _checkpoint.pickled(self, super().__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.state = OptimizerState(self.state)
-        # the constructor's options: torch's __setstate__ adds keys of its own to defaults
-        # (differentiable), which the groups must not gain (state_dict() would then differ from
-        # the one loaded)
-        self.__dict__.setdefault("_option_keys", tuple(self.defaults))
-        self.__dict__.setdefault("skip_nonfinite", False)
-        # kept by load_state_dict (torch's calls this)
-        self.__dict__.setdefault("_sharding", Sharding(reducer=self.__dict__.pop("_reducer", None)))
-        self.__dict__.setdefault("_zero_parent", None)
-        if "skipped_steps" not in self.__dict__:
-            self.skipped_steps = torch.zeros((), dtype=torch.int64)
-        self._pending = None
-        self._stale = []
-        self._lock = threading.Lock()
-        self._fresh()
-        self._hook_saved_form()
+        _checkpoint.unpickled(self)
+        self._own()
         self._note_sharded(p for g in self.param_groups for p in g["params"])
-        for group in self.param_groups:
-            for k in self._option_keys:
-                group.setdefault(k, self.defaults[k])
 
     def set_grad_norm_reducer(self, reducer) -> None:
         """Use ``reducer`` (a :class:`fusedopt.functional.SqSumReducer`, or None) to complete the
@@ -261,13 +227,8 @@ class _TrustRatioOptimizer(Optimizer):
                                "run eagerly from now on); add them with add_param_group")
         lps = [_local(p) for p in ps] if sharded else ps
         lgs = [_local(g) for g in gs] if sharded else gs
-        rows = None  # the keys of the random bits, where they are not the rows' indices
-        if group["state_precision"] != "full" and (sharded or ps is not all_ps or sharding.keys):
-            rows = (range(len(ps)) if ps is all_ps
-                    else [i for i, g in enumerate(all_grads) if g is not None])
-            if sharding.keys:  # params numbered as in the groups they were taken from
-                rows = [sharding.keys.get(id(p), i) for i, p in zip(rows, ps)]
-            rows = list(map(lowp.random_key, rows, ps, lps)) if sharded else rows
+        rows = (sharding.random_keys(ps, all_ps, all_grads, lps, sharded)
+                if group["state_precision"] != "full" else None)
         state = self.state
         states = list(map(state.get, ps))
         if max(map(len, filter(None, states)), default=0) > len(self._state_keys) + 1:
@@ -346,40 +307,6 @@ class _TrustRatioOptimizer(Optimizer):
             keys=torch.tensor(keys, dtype=torch.int64) if keys else None,
             maximize=group["maximize"])
 
-    def _kept_group(self, gi: int, group: dict[str, Any]) -> TensorGroup:
-        """The group's lists, from its plan where they fit (Note [group plans] in
-        fusedopt/_plan.py), with this step's grads."""
-        all_ps = group["params"]
-        grads = grads_of(all_ps)
-        # not `None in grads`: that calls Tensor.__eq__(None) on every grad, a torch dispatch each
-        with_grad = (tuple(g is not None for g in grads)
-                     if any(map(is_, grads, repeat(None))) else None)
-        key = (self.state.edits, with_grad, group["backend"], group["master_weights"])
-        plan = self._plan(gi)
-        kept = plan.kept_lists(key, all_ps)
-        if kept is not None:
-            return dataclasses.replace(
-                kept, hyper=self._hyper(group), maximize=group["maximize"],
-                grads=grads if with_grad is None else [x for x in grads if x is not None])
-        g = self._group(group)
-        if not g.sources:
-            plan.keep((self.state.edits, *key[1:]), all_ps, g)
-        return g
-
-    def _step_reducer(self, groups: list[TensorGroup]):
-        if self._sharding.reducer is not None:
-            return self._sharding.reducer
-        sources = [p for g in groups for p in (g.sources or ())]
-        if not sources:
-            return None
-        kept = self._cache.reducer
-        if kept is not None and len(kept[0]) == len(sources) and all(map(is_, kept[0], sources)):
-            return kept[1]
-        from .distributed import reducer_for
-        reducer = reducer_for(groups, self.param_groups)
-        self._cache.reducer = (sources, reducer)
-        return reducer
-
     # Note [refused steps]: a step that raises has changed nothing. Everything that can refuse
     # it is checked before the first write (fusedopt.functional's phase 0); the state that a step
     # creates for params without state is created only after their own checks
@@ -454,7 +381,8 @@ class _TrustRatioOptimizer(Optimizer):
             self._checked_options(gi, group)
         if not traced:
             _adapters.check_step(self)  # settings that need an adapter not enabled
-        groups = [self._group(group) if traced else self._kept_group(gi, group)
+        groups = [self._group(group) if traced
+                  else self._plan(gi).group(self.state, group, self._group, self._hyper)
                   for gi, group in enumerate(self.param_groups)]
         if traced:
             for gi, group in enumerate(self.param_groups):
@@ -463,13 +391,17 @@ class _TrustRatioOptimizer(Optimizer):
                 # tensor lr that is new to its group
                 if isinstance(lr, torch.Tensor) and id(lr) != id(self._plans[gi].lr):
                     raise AssertionError("unreachable: _init_group checked every tensor lr")
+        reducer = self._sharding.reducer
+        if reducer is None and any(g.sources for g in groups):
+            from .distributed import reducer_for  # imported by the first step over DTensors
+            reducer = reducer_for(groups, self.param_groups, self._cache)
         trust_ratio_step(
             self._kind,
             groups,
             cache=self._cache,
             grad_scale=getattr(self, "grad_scale", None),
             found_inf=getattr(self, "found_inf", None),
-            reducer=self._step_reducer(groups),
+            reducer=reducer,
             skip_nonfinite=self.skip_nonfinite,
             skipped_steps=self.skipped_steps,
         )

@@ -658,21 +658,25 @@ def _check_sums(ctx, specs, backend, steps=2):
                             for p, row in zip(b.sources if b.sources is not None else b.params,
                                                    s.double().tolist())]
 
-    inner_reducer = opt._step_reducer
-    opt._step_reducer = lambda groups: Recorder(inner_reducer(groups))
-    total_err = sums_err = 0.0
-    index = {id(p): i for i, p in enumerate(params)}
-    for _ in range(steps):
-        grads = [torch.randn(shape, generator=gen) for shape, _, _ in specs]
-        for p, g, (_, m, pl) in zip(params, grads, specs):
-            p.grad = g.clone() if m is None else distribute_tensor(g.clone(), m, pl, src_data_rank=None)
-        w_sq = [float(full(p).detach().double().square().sum()) for p in params]
-        g_sq = [float(g.double().square().sum()) for g in grads]
-        opt.step()
-        total_err = max(total_err, abs(seen["total"] - sum(g_sq)) / sum(g_sq))
-        for p, (w, g) in seen["rows"]:
-            i = index[id(p)]
-            sums_err = max(sums_err, abs(w - w_sq[i]) / w_sq[i], abs(g - g_sq[i]) / g_sq[i])
+    import fusedopt.distributed
+    inner_reducer = fusedopt.distributed.reducer_for
+    fusedopt.distributed.reducer_for = lambda *args: Recorder(inner_reducer(*args))
+    try:
+        total_err = sums_err = 0.0
+        index = {id(p): i for i, p in enumerate(params)}
+        for _ in range(steps):
+            grads = [torch.randn(shape, generator=gen) for shape, _, _ in specs]
+            for p, g, (_, m, pl) in zip(params, grads, specs):
+                p.grad = g.clone() if m is None else distribute_tensor(g.clone(), m, pl, src_data_rank=None)
+            w_sq = [float(full(p).detach().double().square().sum()) for p in params]
+            g_sq = [float(g.double().square().sum()) for g in grads]
+            opt.step()
+            total_err = max(total_err, abs(seen["total"] - sum(g_sq)) / sum(g_sq))
+            for p, (w, g) in seen["rows"]:
+                i = index[id(p)]
+                sums_err = max(sums_err, abs(w - w_sq[i]) / w_sq[i], abs(g - g_sq[i]) / g_sq[i])
+    finally:
+        fusedopt.distributed.reducer_for = inner_reducer
     return dict(sums_err=sums_err, total_err=total_err)
 
 
