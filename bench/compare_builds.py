@@ -26,6 +26,9 @@ CASES = {
     "4000 x 2,500 LAMB": ("lamb", "small", False, "full", "cpp"),
     "4000 x 2,500 LAMB, flattened": ("lamb", "small", True, "full", "cpp"),
     "4000 x 64 LAMB": ("lamb", "tiny", False, "full", "cpp"),
+    # the host's cost per tensor: 1k and 10k one-element tensors
+    "1000 x 1 LAMB": ("lamb", "1k", False, "full", "cpp"),
+    "10000 x 1 LAMB": ("lamb", "10k", False, "full", "cpp"),
     "bert-base LAMB, 8-bit state": ("lamb", "bert", False, "8bit", "cpp"),
     "bert-base LARS, 8-bit state": ("lars", "bert", False, "8bit", "cpp"),
     "200 x 5,000 LAMB, eager, bf16 state": ("lamb", "mid", False, "bf16", "eager"),
@@ -62,6 +65,7 @@ def timed(fn, n):
 for name, (kind, shapes_name, flat, precision, backend) in cases.items():
     shapes = {"bert": bert_base_shapes, "small": lambda: [(2500,)] * 4000,
               "tiny": lambda: [(64,)] * 4000, "mid": lambda: [(5000,)] * 200,
+              "1k": lambda: [(1,)] * 1000, "10k": lambda: [(1,)] * 10000,
               "conv": lambda: [(256, 256, 3, 3)] * 16,
               "small conv": lambda: [(16, 16, 3, 3)] * 2000,
               "resident": lambda: [(1 << 19,)] * 2}[shapes_name]()

@@ -201,10 +201,10 @@ class _TrustRatioOptimizer(Optimizer):
         if isinstance(lr, torch.Tensor) and lr is not plan.lr:
             self._named(gi, check_lr_value, lr)  # Note [group plans]: once per new tensor lr
             plan.lr = lr
-        # Note [gathering]: what this does for every param at every step is written as C-level
-        # loops over the params (map, list comprehensions, set, and fusedopt._C's native scans):
-        # with thousands of tensors, each Python-level operation per param costs a measurable
-        # part of the step
+        # what this does for every param at every step is written as C-level loops over the
+        # params (map, list comprehensions, set, and Note [native scans] in
+        # csrc/cpu/register.cpp): with thousands of tensors, each Python-level operation per
+        # param costs a measurable part of the step
         all_ps = group["params"]
         if not all_ps:  # a group emptied (DeepSpeed ZeRO-3 fills each group only for its step)
             return False, None

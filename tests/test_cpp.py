@@ -346,7 +346,7 @@ EXTRA = pytest.mark.parametrize("extra", [0, 1500], ids=["zoo", "zoo+1500"])
 @EXTRA
 @pytest.mark.parametrize("kind", ["lamb", "lars"])
 def test_kept_layouts_follow_tensors_changed_in_place(kind, extra, monkeypatch):
-    """Note [checked lists] in kernels.h: the kept layout keeps its lists' data pointers between
+    """Note [kept layout] in ops.h: the kept layout keeps its lists' data pointers between
     steps; when a tensor's data moves while the objects stay, bind sees the change, the step
     checks its lists in Python and binds them checked again, and steps the new data, as the
     operators do."""

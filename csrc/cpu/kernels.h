@@ -25,16 +25,8 @@
 namespace fusedopt {
 namespace cpu {
 
-// Note [checked lists]: the chunk loops of a pass need only the dtypes and data pointers of a
-// bucket's lists and its chunk table. A kept layout checks its lists and builds these once; at each
-// later bind it only looks whether the lists it is given are the tensors the checks saw
-// (Fingerprints: device, dtype, sizes, strides, data pointer, not copy-on-write; a few inline
-// loads per tensor). If one is not (`p.data = ...`, `model.to(memory_format=...)`,
-// `share_memory_()`, a lazy clone, a state tensor replaced), bind says so and the caller checks
-// everything again, naming what is wrong. The look is shared by the threads (tensor ranges, above
-// kTensorGrain tensors). The grads, new every step, are checked at every bind. Checking every list
-// in every pass cost a few microseconds per tensor and step (docs/performance.md, "Measurements
-// behind the Notes").
+// The dtypes and data pointers of a bucket's lists and its chunk table: all that the chunk loops
+// of a pass need, built once by a kept layout's checks (Note [kept layout] in ops.h).
 struct CheckedLists {
   at::ScalarType weight_dtype = at::kFloat;
   at::ScalarType param_dtype = at::kFloat;  // of params, when there are

@@ -203,7 +203,7 @@ inline void prefetch_metadata(const TensorPtrs& ts, size_t j, size_t end) {
   }
 }
 
-// What the checks saw of each tensor of some lists (Note [checked lists]).
+// What the checks saw of each tensor of some lists (Note [kept layout]).
 class Fingerprints {
  public:
   void add(const TensorPtrs& ts) {

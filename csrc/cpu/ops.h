@@ -115,7 +115,7 @@ void lars_pass2(at::TensorList weights, at::TensorList params, at::TensorList gr
                 const std::optional<at::Tensor>& grad_mult,
                 const std::optional<at::Tensor>& found_inf);
 
-struct CheckedLists;  // Note [checked lists] in kernels.h
+struct CheckedLists;  // kernels.h (Note [kept layout])
 class Fingerprints;
 
 // A list of tensors that somebody else holds for as long as the list is used.
@@ -127,10 +127,17 @@ using TensorPtrs = std::vector<const at::Tensor*>;
 // checks of a list a few microseconds per tensor, which for thousands of small tensors outweigh
 // the arithmetic (docs/performance.md). The layout keeps what the checks of the lists that do not
 // change from step to step (weights, the bf16/fp16 params beside masters, the optimizer state,
-// the step counts) saw, and bind() only looks whether the lists it is given are those tensors
-// still (Note [checked lists] in kernels.h); the grads, new every step, are checked at every bind.
-// The operators above are a layout made, checked and bound for one call. Empty lists stand for
-// what a bucket does not have (momentum buffers for LAMB, params without masters).
+// the step counts) saw (CheckedLists in kernels.h: the dtypes, data pointers and chunk table
+// that the chunk loops need), and bind() only looks whether the lists it is given are the
+// tensors the checks saw (Fingerprints: device, dtype, sizes, strides, data pointer, not
+// copy-on-write; a few inline loads per tensor, the look shared by the threads above
+// kTensorGrain tensors). If one is not (`p.data = ...`, `model.to(memory_format=...)`,
+// `share_memory_()`, a lazy clone, a state tensor replaced), bind says so and the caller checks
+// everything again, naming what is wrong; the grads, new every step, are checked at every bind.
+// Checking every list in every pass cost a few microseconds per tensor and step
+// (docs/performance.md, "Measurements behind the Notes"). The operators above are a layout
+// made, checked and bound for one call. Empty lists stand for what a bucket does not have
+// (momentum buffers for LAMB, params without masters).
 class KeptLayout {
  public:
   KeptLayout();
