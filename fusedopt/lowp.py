@@ -447,11 +447,11 @@ def step_write(x):
 
 # ----------------------------------------------------------------------- whole tensors
 def _to_bf16(held: torch.Tensor) -> torch.Tensor:
-    """float32 values on the bf16 grid as bfloat16, a NaN as 0x7fc0 (docs/math.md, "bf16": torch's
-    vectorized conversion keeps a NaN's sign and payload)."""
-    hi = (held.view(torch.int32) >> 16) & 0xFFFF
-    hi = torch.where(held != held, torch.full_like(hi, 0x7FC0), hi)
-    return torch.where(hi >= 1 << 15, hi - (1 << 16), hi).to(torch.int16).view(torch.bfloat16)
+    """float32 values on the bf16 grid as bfloat16, a NaN as 0x7fc0 (docs/math.md, "bf16"):
+    their high 16 bits, taken in the integers (torch's vectorized conversion gives a NaN of its
+    own, 0xffff on the CPU)."""
+    hi = (held.view(torch.int32) >> 16).to(torch.int16)  # the low 16 bits of the shifted word
+    return torch.where(held != held, 0x7FC0, hi).view(torch.bfloat16)
 
 
 def write_bf16(x: torch.Tensor, bits: torch.Tensor | None = None):
