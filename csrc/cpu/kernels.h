@@ -363,6 +363,10 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_bf16(const W* __restrict__ w, const G* __r
   SqSum w_sq, u_sq;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
+    prefetch_block(w, b, n, nullptr, 0);  // Note [write prefetch]
+    prefetch_block(g, b, n, nullptr, 0);
+    prefetch_block(m, b, n, nullptr, 0);
+    prefetch_block(v, b, n, nullptr, 0);
     for (int64_t k = 0; k < len; ++k) {
       float mk = bf16_value(m[b + k]);
       float vk = bf16_value(v[b + k]);
@@ -422,6 +426,10 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_q8(const W* __restrict__ w, const G* __res
     const int sh0 = static_cast<int>(wv[1]);
     int8_t* __restrict__ mc = m.codes + b;
     uint8_t* __restrict__ vc = v.codes + b;
+    prefetch_block(w, b, n, nullptr, 0);  // Note [write prefetch]
+    prefetch_block(g, b, n, nullptr, 0);
+    prefetch_block(m.codes, b, n, nullptr, 0);
+    prefetch_block(v.codes, b, n, nullptr, 0);
     widen_codes(mc, vc, mi, vi, len);
     const G* __restrict__ gb = g + b;
     unsigned int s_top = 0, s_low = 0xffffffffu;  // the root words' extremes (root_words)
@@ -489,12 +497,18 @@ FUSEDOPT_INLINE void lamb_pass2_chunk_bf16(W* __restrict__ w, P* __restrict__ p,
                                            const uint16_t* __restrict__ v, int64_t n,
                                            const LambCoef<float> c, const float lr_phi,
                                            const float decay) {
-  for (int64_t k = 0; k < n; ++k) {
-    const float wk = static_cast<float>(w[k]);
-    const float u = lamb_direction<float>(wk, bf16_value(m[k]), bf16_value(v[k]), c);
-    const float nw = lamb_apply<float>(wk, u, lr_phi, decay);
-    w[k] = static_cast<W>(nw);
-    store_param(p, k, nw);
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t end = std::min(n, b + kBlock);
+    prefetch_block(w, b, n, nullptr, 0);  // Note [write prefetch]
+    prefetch_block(m, b, n, nullptr, 0);
+    prefetch_block(v, b, n, nullptr, 0);
+    for (int64_t k = b; k < end; ++k) {
+      const float wk = static_cast<float>(w[k]);
+      const float u = lamb_direction<float>(wk, bf16_value(m[k]), bf16_value(v[k]), c);
+      const float nw = lamb_apply<float>(wk, u, lr_phi, decay);
+      w[k] = static_cast<W>(nw);
+      store_param(p, k, nw);
+    }
   }
 }
 
@@ -506,6 +520,8 @@ FUSEDOPT_INLINE void lamb_pass2_chunk_q8(W* __restrict__ w, P* __restrict__ p,
   alignas(64) int mi[kBlock];
   for (int64_t b = 0; b < n; b += kBlock) {
     const int len = static_cast<int>(std::min(kBlock, n - b));
+    prefetch_block(w, b, n, nullptr, 0);  // Note [write prefetch]
+    prefetch_block(m.codes, b, n, nullptr, 0);
     const float f = bits_float(m.words[2 * (b / kQBlock)]);
     const int8_t* __restrict__ mc = m.codes + b;
     for (int k = 0; k < len; ++k) mi[k] = mc[k];

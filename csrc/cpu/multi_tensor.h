@@ -68,8 +68,13 @@ constexpr int kLanes = 32;
 // kPrefetchBytes ahead, one block at a time, across the end of a chunk into the next chunk
 // (ChunkTable::next: the next tensor's first bytes; without that each small tensor began with
 // 2 KB not prefetched). With no stores to overlap, hardware prefetching alone leaves such passes
-// well below the in-place passes' bandwidth. The passes that write do not prefetch: it slowed them
-// down (docs/performance.md, "Measurements behind the Notes").
+// well below the in-place passes' bandwidth. The passes that write full state do not prefetch: it
+// slowed them down (docs/performance.md, "Measurements behind the Notes").
+// Note [write prefetch]: the LAMB passes over bf16 and 8-bit state do, within the chunk: they
+// compute more per byte than the full-state passes, and in the AVX2 clone (whose loop spills to
+// the stack) hardware prefetching alone left them waiting for memory, at up to 1.7 times the
+// full-state step; prefetched, they take less than it (docs/performance.md, "Low-precision
+// state").
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Prefetches (for reading) the cache lines of elements [k, k + kBlock) of x shifted by
