@@ -554,8 +554,9 @@ def _run(kind, plan, flips, grad_scale, found_inf, reducer, skip_nonfinite,
          skipped_steps) -> None:
     # A frame of its own, out of trust_ratio_step's try block: where a traced step breaks its
     # graph in here (the eager backend reading FSDP1's random-bit keys), dynamo gives up on the
-    # frame it is in; merged, that was trust_ratio_step, and the compiled step then differed from
-    # the uncompiled one (docs/backends.md, "From step() to the chunk loop")
+    # frame it is in and compiles the frames below it one by one; that must not be
+    # trust_ratio_step, whose callees compiled one by one do not give the uncompiled step's bits
+    # (docs/backends.md, "From step() to the chunk loop")
     total = None
     if skip_nonfinite or any(h.max_grad_norm is not None for h, _ in plan):
         dev0 = plan[0][1][0][1].device
