@@ -356,24 +356,15 @@ def reducer_for(groups, param_groups, cache=None) -> ShardedNormReducer | None:
     kept = cache.reducer if cache is not None else None
     if kept is not None and len(kept[0]) == len(sources) and all(map(is_, kept[0], sources)):
         return kept[1]
-    reducer = _new_reducer(groups, param_groups)
+    reducer = None
+    dtensor_type = _dtensor_type() if dist.is_available() and dist.is_initialized() else None
+    if dtensor_type is not None and any(
+            isinstance(p, dtensor_type) and any(pl.is_shard() for pl in p.placements)
+            for p in sources):
+        reducer = ShardedNormReducer(sources, param_groups, dtensor_type)
     if cache is not None:
         cache.reducer = (sources, reducer)
     return reducer
-
-
-def _new_reducer(groups, param_groups) -> ShardedNormReducer | None:
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    dtensor_type = _dtensor_type()
-    if dtensor_type is None:
-        return None
-    params = [p for g in groups for p in (g.sources or ())]
-    sharded = any(isinstance(p, dtensor_type) and any(pl.is_shard() for pl in p.placements)
-                  for p in params)
-    if not sharded:
-        return None
-    return ShardedNormReducer(params, param_groups, dtensor_type)
 
 
 # ------------------------------------------------------------------------------ ZeRO

@@ -72,9 +72,8 @@ constexpr int kLanes = 32;
 // slowed them down (docs/performance.md, "Measurements behind the Notes").
 // Note [write prefetch]: the LAMB passes over bf16 and 8-bit state do, within the chunk: they
 // compute more per byte than the full-state passes, and in the AVX2 clone (whose loop spills to
-// the stack) hardware prefetching alone left them waiting for memory, at up to 1.7 times the
-// full-state step; prefetched, they take less than it (docs/performance.md, "Low-precision
-// state").
+// the stack) hardware prefetching alone leaves them waiting for memory (docs/performance.md,
+// "Low-precision state").
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Prefetches (for reading) the cache lines of elements [k, k + kBlock) of x shifted by
