@@ -519,7 +519,35 @@ def trust_ratio_step(
                 elif entries[0][1].scratch.get("checked"):
                     be, b = entries[0]
                     cache.single[gi] = (b.slot, be, b.requested_backend, _seen(b))
-        _run(kind, plan, flips, grad_scale, found_inf, reducer, skip_nonfinite, skipped_steps)
+        # the global Σg² (clipping, the non-finite guard), pass 1, the reduction, pass 2
+        total = None
+        if skip_nonfinite or any(h.max_grad_norm is not None for h, _ in plan):
+            dev0 = plan[0][1][0][1].device
+            parts = [be.grad_sq_norms(b).to(dev0, torch.float64).sum()
+                     for _, entries in plan for be, b in entries]
+            total = torch.stack(parts).sum()
+            if reducer is not None:
+                reducer.reduce_grad_sq(total)
+        if skip_nonfinite:
+            bad = torch.isinf(total) | torch.isnan(total)
+            if skipped_steps is not None:
+                skipped_steps.add_(bad.to(skipped_steps.device, skipped_steps.dtype))
+            bad = bad.to(torch.float32)
+            found_inf = bad if found_inf is None else torch.maximum(
+                found_inf.reshape(()).to(bad.device, torch.float32), bad)
+        mults = _grad_multipliers(plan, flips, total, grad_scale)
+        hypers = [encode(h) for h, _ in plan]
+        steps = [(h, hyper, be, b, gm, None if found_inf is None else
+                  found_inf.reshape(()).to(b.device, torch.float32))
+                 for (h, entries), hyper, row in zip(plan, hypers, mults)
+                 for (be, b), gm in zip(entries, row)]
+        sums = [be.pass1(kind, b, h, hyper, gm, fi) for h, hyper, be, b, gm, fi in steps]
+        if reducer is not None:
+            reducer.reduce_trust_sums(sums, [b for _, _, _, b, _, _ in steps])
+        for (h, hyper, be, b, gm, fi), s in zip(steps, sums):
+            be.pass2(kind, b, h, hyper, s, gm, fi)
+            for orig, stand_in in b.writeback:
+                orig.copy_(stand_in)
     finally:
         for be, b in bound:
             be.end(b)
@@ -548,43 +576,6 @@ def _grad_multipliers(plan, flips, total, grad_scale):
             row.append(None if m is None else m.to(b.compute_dtype))
         mults.append(row)
     return mults
-
-
-def _run(kind, plan, flips, grad_scale, found_inf, reducer, skip_nonfinite,
-         skipped_steps) -> None:
-    # A frame of its own, out of trust_ratio_step's try block: where a traced step breaks its
-    # graph in here (the eager backend reading FSDP1's random-bit keys), dynamo gives up on the
-    # frame it is in and compiles the frames below it one by one; that must not be
-    # trust_ratio_step, whose callees compiled one by one do not give the uncompiled step's bits
-    # (docs/backends.md, "From step() to the chunk loop")
-    total = None
-    if skip_nonfinite or any(h.max_grad_norm is not None for h, _ in plan):
-        dev0 = plan[0][1][0][1].device
-        parts = [be.grad_sq_norms(b).to(dev0, torch.float64).sum()
-                 for _, entries in plan for be, b in entries]
-        total = torch.stack(parts).sum()
-        if reducer is not None:
-            reducer.reduce_grad_sq(total)
-    if skip_nonfinite:
-        bad = torch.isinf(total) | torch.isnan(total)
-        if skipped_steps is not None:
-            skipped_steps.add_(bad.to(skipped_steps.device, skipped_steps.dtype))
-        bad = bad.to(torch.float32)
-        found_inf = bad if found_inf is None else torch.maximum(
-            found_inf.reshape(()).to(bad.device, torch.float32), bad)
-    mults = _grad_multipliers(plan, flips, total, grad_scale)
-    hypers = [encode(h) for h, _ in plan]
-    steps = [(h, hyper, be, b, gm, None if found_inf is None else
-              found_inf.reshape(()).to(b.device, torch.float32))
-             for (h, entries), hyper, row in zip(plan, hypers, mults)
-             for (be, b), gm in zip(entries, row)]
-    sums = [be.pass1(kind, b, h, hyper, gm, fi) for h, hyper, be, b, gm, fi in steps]
-    if reducer is not None:
-        reducer.reduce_trust_sums(sums, [b for _, _, _, b, _, _ in steps])
-    for (h, hyper, be, b, gm, fi), s in zip(steps, sums):
-        be.pass2(kind, b, h, hyper, s, gm, fi)
-        for orig, stand_in in b.writeback:
-            orig.copy_(stand_in)
 
 
 # ----------------------------------------------------------------------- public functions

@@ -84,7 +84,7 @@ def _operator(name: str, fn, fake):
     return lambda *args: (op if torch.compiler.is_compiling() else fn)(*args)
 
 
-def _hash_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
+def _hash_bits(step: torch.Tensor, key: torch.Tensor, n: int) -> torch.Tensor:
     t = step.reshape(()).to(torch.int64) & _MASK
     base = _mix(_mix(t ^ _SEED) ^ (key & _MASK))
     e = (torch.arange(n, dtype=torch.int64, device=step.device) + (key >> 32)) & _MASK
@@ -95,14 +95,17 @@ _hash_bits_step = _operator("fusedopt::lowp_random_bits", _hash_bits,
                             lambda step, key, n: step.new_empty((n,), dtype=torch.int64))
 
 
-def random_bits(step: torch.Tensor, key: int, n: int) -> torch.Tensor:
+def random_bits(step: torch.Tensor, key: int | torch.Tensor, n: int) -> torch.Tensor:
     """``bits(e)`` for the ``n`` elements stepped of a tensor whose step count (after the
     increment) is ``step`` and whose key is ``key`` (docs/math.md, "Random bits": its low 32 bits
     key the tensor, its high 32 bits are the index of the first element stepped): int64 values
     in [0, 2^32). Under torch.compile an operator (Note [8-bit operators]): fused by inductor,
     the hash of the step count failed to compile when a param group held params of two dtypes (a
-    C++ XOR of two floats)."""
-    return _hash_bits_step(step, key, n)
+    C++ XOR of two floats). ``key`` may be an int64 tensor of one element, as a traced step reads
+    it without a graph break."""
+    if isinstance(key, int):
+        key = torch.tensor(key, dtype=torch.int64)
+    return _hash_bits_step(step, key.reshape(()), n)
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:

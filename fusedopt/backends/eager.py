@@ -190,7 +190,7 @@ def _read_lamb(ms: list[torch.Tensor], vs: list[torch.Tensor], w: list[torch.Ten
 def _bits(b: Bucket, t: torch.Tensor, i: int, n: int) -> torch.Tensor:
     """The random bits of the ``n`` elements of entry ``i``, drawn by the elements' order in the
     param's memory (docs/math.md, "Random bits")."""
-    key = i if b.keys is None else int(b.keys[i])
+    key = i if b.keys is None else b.keys[i]
     return memory_to_row_major(lowp.random_bits(t[i], key, n), b.params[i])
 
 
