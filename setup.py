@@ -8,6 +8,7 @@ fusedopt/_build_errors.txt, backend="auto" falls back to eager, and an explicit 
 import glob
 import os
 import shutil
+import subprocess
 
 import torch
 from setuptools import setup
@@ -26,6 +27,20 @@ ERRORS = os.path.join(HERE, "fusedopt", "_build_errors.txt")
 # (docs/performance.md, "Building").
 CXX_FLAGS = ["-O3", "-g0", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
              "-fopenmp", "-fvisibility=hidden", "-std=c++20"]
+# GCC's generic tuning loads a vectorized table lookup lane by lane (it avoids the gather
+# instructions for the CPUs where microcode made them slow); the LARS 8-bit map looks up three
+# tables per element, one gather per vector each with the switch (its price against the lane by
+# lane loads: docs/performance.md, "Low-precision state"). Clang has no such switch and gathers
+# by its own cost model.
+GCC_FLAGS = ["-mtune-ctrl=use_gather"]
+
+
+def is_gcc(cmd: str) -> bool:
+    try:
+        out = subprocess.run([cmd, "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return False
+    return "Free Software Foundation" in out and "clang" not in out
 
 
 def want_cuda() -> bool:
@@ -61,6 +76,8 @@ class TolerantBuild(BuildExtension):
                 self._failed(self.extensions, e2)
 
     def build_extension(self, ext):
+        if isinstance(ext.extra_compile_args, list) and is_gcc(self.compiler.compiler_so[0]):
+            ext.extra_compile_args = ext.extra_compile_args + GCC_FLAGS
         try:
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 - any compiler/linker failure

@@ -37,7 +37,10 @@ CASES = {
     "2000 x 16x16x3x3 channels_last LAMB": ("lamb", "small conv", False, "full", "cpp"),
     # two tensors of 2^19 elements, which stay in the caches: the step's arithmetic alone
     "resident LAMB": ("lamb", "resident", False, "full", "cpp"),
+    "resident LAMB, bf16 state": ("lamb", "resident", False, "bf16", "cpp"),
     "resident LAMB, 8-bit state": ("lamb", "resident", False, "8bit", "cpp"),
+    "resident LARS": ("lars", "resident", False, "full", "cpp"),
+    "resident LARS, 8-bit state": ("lars", "resident", False, "8bit", "cpp"),
 }
 
 CHILD = r'''

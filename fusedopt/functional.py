@@ -628,10 +628,7 @@ def lamb(
         m = [torch.zeros_like(p) for p in params]; v = [torch.zeros_like(p) for p in params]
         fusedopt.functional.lamb(params, [p.grad for p in params], m, v, steps, lr=1e-3)
     """
-    opts = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                bias_correction=bias_correction, grad_averaging=grad_averaging,
-                max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
-                decoupled_weight_decay=decoupled_weight_decay, adapt=adapt)
+    opts = {k: v for k, v in locals().items() if k in _D}  # the options, as the class's
     _one_group("lamb", opts, params, grads, steps, masters, backend, maximize,
                dict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs), step)
 
@@ -661,10 +658,7 @@ def lars(
 ) -> None:
     """One LARS step over lists of tensors, in place (the math of :class:`fusedopt.FusedLARS`);
     see :func:`lamb` for ``steps``, ``masters`` and ``step`` (:class:`StepOptions`)."""
-    opts = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-                dampening=dampening, trust_clip=trust_clip, denominator=denominator,
-                lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt)
+    opts = {k: v for k, v in locals().items() if k in _L}
     _one_group("lars", opts, params, grads, steps, masters, backend, maximize,
                dict(momentum_buffers=momentum_buffers), step)
 

@@ -443,6 +443,11 @@ class _TrustRatioOptimizer(Optimizer):
         _checkpoint.finish(self, self._load)
 
 
+# the constructors' arguments that are not param-group options: every other argument is one, in
+# the order of the signature (the order of the keys of each param group)
+_NOT_OPTIONS = ("self", "params", "skip_nonfinite", "__class__")
+
+
 class FusedLAMB(_TrustRatioOptimizer):
     r"""LAMB (You et al. 2019) in the NVLAMB form, computed exactly as docs/math.md.
 
@@ -529,15 +534,7 @@ class FusedLAMB(_TrustRatioOptimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ):
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            bias_correction=bias_correction, grad_averaging=grad_averaging,
-            max_grad_norm=max_grad_norm, trust_ratio_bounds=trust_ratio_bounds,
-            decoupled_weight_decay=decoupled_weight_decay, adapt=adapt,
-            backend=backend, master_weights=master_weights, state_precision=state_precision,
-            state_min_numel=state_min_numel, capturable=capturable, maximize=maximize,
-            foreach=foreach, fused=fused, differentiable=differentiable,
-        )
+        defaults = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
         super().__init__(params, defaults, skip_nonfinite)
 
 
@@ -595,13 +592,5 @@ class FusedLARS(_TrustRatioOptimizer):
         fused: bool | None = None,
         differentiable: bool = False,
     ):
-        defaults = dict(
-            lr=lr, momentum=momentum, weight_decay=weight_decay,
-            trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-            dampening=dampening, trust_clip=trust_clip, denominator=denominator,
-            lr_in_momentum=lr_in_momentum, max_grad_norm=max_grad_norm, adapt=adapt,
-            backend=backend, master_weights=master_weights, state_precision=state_precision,
-            state_min_numel=state_min_numel, capturable=capturable, maximize=maximize,
-            foreach=foreach, fused=fused, differentiable=differentiable,
-        )
+        defaults = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
         super().__init__(params, defaults, skip_nonfinite)

@@ -76,3 +76,25 @@ def test_the_cpu_extension_is_built_in_this_tree():
                     f"{errors.read_text() if errors.exists() else 'none'}")
     for name in ("data_ptrs", "dense", "dtype_codes", "grads", "numels"):
         assert getattr(_bucket, name) is getattr(_C, name), name
+
+
+@pytest.mark.parametrize("version, gathers", [
+    ("g++ (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.", True),
+    ("Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu", False),
+])
+def test_the_cpu_extension_asks_gcc_for_gather_instructions(tolerant, monkeypatch, tmp_path,
+                                                            version, gathers):
+    """GCC's generic tuning loads a vectorized table lookup lane by lane; the CPU extension asks
+    it for the gather instructions (setup.py, GCC_FLAGS), a compiler that is not GCC is asked
+    nothing it does not know."""
+    cls, _ = tolerant
+    compiler = tmp_path / "c++"
+    compiler.write_text(f"#!/bin/sh\ncat <<'END'\n{version}\nEND\n")
+    compiler.chmod(0o755)
+    seen = []
+    monkeypatch.setattr(BuildExtension, "build_extension",
+                        lambda self, ext: seen.append(list(ext.extra_compile_args)))
+    b = _build(cls, [])
+    b.compiler = type("Compiler", (), {"compiler_so": [str(compiler), "-O3"]})()
+    b.build_extension(Extension("fusedopt._C", ["csrc/cpu/ops.cpp"], extra_compile_args=["-O3"]))
+    assert seen == [["-O3", "-mtune-ctrl=use_gather"] if gathers else ["-O3"]]

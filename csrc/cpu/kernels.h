@@ -362,27 +362,20 @@ FUSEDOPT_INLINE void lamb_pass1_chunk_bf16(const W* __restrict__ w, const G* __r
   alignas(64) float ub[kBlock];
   SqSum w_sq, u_sq;
   for (int64_t b = 0; b < n; b += kBlock) {
-    const int len = static_cast<int>(std::min(kBlock, n - b));
+    const int64_t len = std::min(kBlock, n - b);
     prefetch_block(w, b, n, nullptr, 0);  // Note [write prefetch]
     prefetch_block(g, b, n, nullptr, 0);
     prefetch_block(m, b, n, nullptr, 0);
     prefetch_block(v, b, n, nullptr, 0);
-    const unsigned int bits0 = sr_bits(base, static_cast<unsigned int>(e0 + b));
-    const W* __restrict__ wp = w + b;
-    const G* __restrict__ gp = g + b;
-    uint16_t* __restrict__ mp = m + b;
-    uint16_t* __restrict__ vp = v + b;
-    // 32-bit lanes, as in lamb_pass1_chunk_q8: an int64_t counter widens the random bits' index
-#pragma omp simd
-    for (int k = 0; k < len; ++k) {
-      float mk = bf16_value(mp[k]);
-      float vk = bf16_value(vp[k]);
-      lamb_moments<float>(static_cast<float>(gp[k]) * gm, mk, vk, c);
+    for (int64_t k = 0; k < len; ++k) {
+      float mk = bf16_value(m[b + k]);
+      float vk = bf16_value(v[b + k]);
+      lamb_moments<float>(static_cast<float>(g[b + k]) * gm, mk, vk, c);
       const uint16_t mq = bf16_rne(mk);
-      const uint16_t vq = bf16_stochastic(vk, bits0 + sr_step(static_cast<unsigned int>(k)));
-      mp[k] = mq;
-      vp[k] = vq;
-      const float wk = static_cast<float>(wp[k]);
+      const uint16_t vq = bf16_stochastic(vk, sr_bits(base, e0 + b + k));
+      m[b + k] = mq;
+      v[b + k] = vq;
+      const float wk = static_cast<float>(w[b + k]);
       wb[k] = wk;
       ub[k] = lamb_direction<float>(wk, bf16_value(mq), bf16_value(vq), c);
     }
