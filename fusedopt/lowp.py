@@ -103,9 +103,11 @@ def random_bits(step: torch.Tensor, key: int | torch.Tensor, n: int) -> torch.Te
     the hash of the step count failed to compile when a param group held params of two dtypes (a
     C++ XOR of two floats). ``key`` may be an int64 tensor of one element, as a traced step reads
     it without a graph break."""
-    if isinstance(key, int):
+    if isinstance(key, torch.Tensor):
+        key = key.reshape(())
+    elif torch.compiler.is_compiling():  # the operator's schema takes a tensor
         key = torch.tensor(key, dtype=torch.int64)
-    return _hash_bits_step(step, key.reshape(()), n)
+    return _hash_bits_step(step, key, n)
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
