@@ -628,7 +628,7 @@ def lamb(
         m = [torch.zeros_like(p) for p in params]; v = [torch.zeros_like(p) for p in params]
         fusedopt.functional.lamb(params, [p.grad for p in params], m, v, steps, lr=1e-3)
     """
-    opts = {k: v for k, v in locals().items() if k in _D}  # the options, as the class's
+    opts = {k: v for k, v in locals().items() if k in _D}  # the signature's options
     _one_group("lamb", opts, params, grads, steps, masters, backend, maximize,
                dict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs), step)
 

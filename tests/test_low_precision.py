@@ -772,6 +772,26 @@ def test_8bit_checkpoints_of_the_earlier_format_load_converted(kind, form):
         assert float((p.detach() - w).norm()) < 0.1 * float((w - start).norm())
 
 
+def test_earlier_8bit_state_put_in_place_without_a_step_count_is_refused_at_the_step():
+    """A loader that puts saved state straight into ``optimizer.state`` (as torch's ZeRO and DCP
+    do) hands over LAMB moments of the earlier 8-bit format without their step counts: their
+    conversion needs the count (the direction's ε is made of it), so the step raises naming the
+    param, and neither the params nor the state placed there change."""
+    rec = torch.load(V1, weights_only=True)["lamb"]
+    params = [torch.nn.Parameter(w.clone()) for w in rec["params"]]
+    opt = _opt("lamb", params, "cpp", "8bit", state_min_numel=0)
+    for p, st in zip(params, rec["state_dict"]["state"].values()):
+        opt.state[p] = {k: v.clone() for k, v in st.items() if k != "step"}
+        p.grad = torch.ones_like(p)
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
+    with pytest.raises(ValueError, match=r"param group 0, state of a param of shape \(8, 512\): "
+                                         "LAMB's 8-bit state is converted with its step count"):
+        opt.step()
+    for p, (w, st) in zip(params, before):
+        assert torch.equal(p, w) and opt.state[p].keys() == st.keys()
+        assert all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+
+
 @pytest.mark.parametrize("backend", backend_params(("eager", "cpp", "triton")))
 def test_an_empty_params_8bit_state_of_any_stride_steps(backend):
     """The packed 8-bit state of an empty param, replaced by an empty tensor of stride 2 (which
