@@ -194,11 +194,18 @@ def validate_lars_group(g: dict[str, Any]) -> None:
     _check_max_grad_norm(g["max_grad_norm"])
 
 
-def check_group(kind: str, group: dict[str, Any]) -> None:
-    """Every option of a param group of a ``kind`` ("lamb", "lars") optimizer (ValueError naming
-    the first invalid one)."""
+def check_options(kind: str, group: dict[str, Any]) -> None:
+    """The options of a step of ``kind`` ("lamb", "lars") that the functional form takes too: the
+    math, ``backend`` and ``maximize`` (ValueError naming the first invalid one)."""
     (validate_lamb_group if kind == "lamb" else validate_lars_group)(group)
     check_backend_name(group["backend"])
+    check_maximize(group["maximize"])
+
+
+def check_group(kind: str, group: dict[str, Any]) -> None:
+    """Every option of a param group of a ``kind`` optimizer (ValueError naming the first invalid
+    one)."""
+    check_options(kind, group)
     if not isinstance(group["capturable"], bool):
         raise ValueError(f"Invalid capturable: {group['capturable']!r}; expected True or False")
     mw = group["master_weights"]
@@ -208,7 +215,6 @@ def check_group(kind: str, group: dict[str, Any]) -> None:
     if not isinstance(sp, str) or sp not in lowp.FORMATS:
         raise ValueError(f"Invalid state_precision: {sp!r}; expected one of "
                          f"{', '.join(map(repr, lowp.FORMATS))}")
-    check_maximize(group["maximize"])
     for flag in ("foreach", "fused"):
         if group[flag] is not None and not isinstance(group[flag], bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r}; expected None, True or False")

@@ -35,10 +35,8 @@ from . import backends as _backends
 from . import lowp
 from ._bucket import (Bucket, StepCache, TensorLists, bias_correction, compute_dtype, dense, numels,
                       slot_of)
-from ._hyper import (LAMB_DEFAULTS, LARS_DEFAULTS, LambHyper, LarsHyper, check_backend_name,
-                     check_maximize,
-                     check_representable, encode, lamb_hyper, lars_hyper, validate_lamb_group,
-                     validate_lars_group)
+from ._hyper import (LAMB_DEFAULTS, LARS_DEFAULTS, LambHyper, LarsHyper, check_options,
+                     check_representable, encode, lamb_hyper, lars_hyper)
 from .flat import _dense_layout, laid_out_as
 
 __all__ = ["Bucket", "SqSumReducer", "StepCache", "StepOptions", "TensorGroup", "bias_correction",
@@ -669,9 +667,7 @@ def _one_group(kind: str, opts: dict, params, grads, steps, masters, backend, ma
     unknown = sorted(set(step_args) - set(StepOptions.__annotations__))
     if unknown:
         raise TypeError(f"fusedopt.functional.{kind}() got unexpected keyword arguments {unknown}")
-    (validate_lamb_group if kind == "lamb" else validate_lars_group)(opts)
-    check_backend_name(backend)
-    check_maximize(maximize)
+    check_options(kind, {**opts, "backend": backend, "maximize": maximize})
     g = TensorGroup(list(params), list(grads), list(steps),
                     masters=None if masters is None else list(masters),
                     hyper=(lamb_hyper if kind == "lamb" else lars_hyper)(opts), backend=backend,
