@@ -19,38 +19,26 @@ namespace cpu {
 // LambHyper / LarsHyper (fusedopt/_hyper.py, `encode`) in declaration order, booleans as 0/1 and
 // a missing value as NaN. Under torch.compile the tensor is built in the graph from the group's
 // options, so a scheduler that changes a float option changes a graph input, not a constant of
-// the graph. The tables below, X(Enumerator, member), list the fields in that order; the enums,
-// the names that fusedopt._C.lamb_fields() / lars_fields() give Python (a test compares them with
-// the dataclasses) and the parsing into the LambHyper / LarsHyper of math.h are generated from
-// them, so that they cannot disagree.
-#define FUSEDOPT_LAMB_FIELDS(X)                                                              \
-  X(Lr, lr) X(Beta1, beta1) X(Beta2, beta2) X(Beta3, beta3) X(Eps, eps)                      \
-  X(WeightDecay, weight_decay) X(BiasCorrection, bias_correction) X(Adapt, adapt)            \
-  X(Decoupled, decoupled) X(Bounded, bounded) X(RatioLo, ratio_lo) X(RatioHi, ratio_hi)      \
-  X(MaxGradNorm, max_grad_norm) X(OneMinusBeta2, one_minus_beta2) X(LambdaInU, lambda_in_u)  \
-  X(DecoupledLambda, decoupled_lambda)
-
-#define FUSEDOPT_LARS_FIELDS(X)                                                              \
-  X(Lr, lr) X(Momentum, momentum) X(Dampening, dampening) X(WeightDecay, weight_decay)       \
-  X(TrustCoefficient, trust_coefficient) X(Eps, eps) X(Nesterov, nesterov)                   \
-  X(TrustClip, trust_clip) X(Combined, combined) X(LrInMomentum, lr_in_momentum)             \
-  X(Adapt, adapt) X(MaxGradNorm, max_grad_norm) X(OneMinusDampening, one_minus_dampening)
+// the graph. The tables of math.h, X(Enumerator, member, type), list the fields in that order; the
+// enums, the names that fusedopt._C.lamb_fields() / lars_fields() give Python (a test compares
+// them with the dataclasses) and the parsing into the LambHyper / LarsHyper of math.h are
+// generated from them here, so that they cannot disagree.
 
 enum LambField {
-#define FUSEDOPT_ENUMERATOR(name, member) kLamb##name,
+#define FUSEDOPT_ENUMERATOR(name, member, type) kLamb##name,
   FUSEDOPT_LAMB_FIELDS(FUSEDOPT_ENUMERATOR)
 #undef FUSEDOPT_ENUMERATOR
   kLambFields
 };
 
 enum LarsField {
-#define FUSEDOPT_ENUMERATOR(name, member) kLars##name,
+#define FUSEDOPT_ENUMERATOR(name, member, type) kLars##name,
   FUSEDOPT_LARS_FIELDS(FUSEDOPT_ENUMERATOR)
 #undef FUSEDOPT_ENUMERATOR
   kLarsFields
 };
 
-#define FUSEDOPT_FIELD_NAME(name, member) #member,
+#define FUSEDOPT_FIELD_NAME(name, member, type) #member,
 // The field names in enum order (Note [hyper fields]).
 inline constexpr std::array<const char*, kLambFields> kLambFieldNames = {
     FUSEDOPT_LAMB_FIELDS(FUSEDOPT_FIELD_NAME)};
@@ -77,7 +65,7 @@ inline const double* hyper_values(const at::Tensor& hyper, int64_t fields, const
 inline LambHyper lamb_hyper_from(const at::Tensor& hyper, const char* who) {
   const double* x = hyper_values(hyper, kLambFields, who);
   LambHyper h;
-#define FUSEDOPT_SET_FIELD(name, member) set_field(h.member, x[kLamb##name]);
+#define FUSEDOPT_SET_FIELD(name, member, type) set_field(h.member, x[kLamb##name]);
   FUSEDOPT_LAMB_FIELDS(FUSEDOPT_SET_FIELD)
 #undef FUSEDOPT_SET_FIELD
   return h;
@@ -86,7 +74,7 @@ inline LambHyper lamb_hyper_from(const at::Tensor& hyper, const char* who) {
 inline LarsHyper lars_hyper_from(const at::Tensor& hyper, const char* who) {
   const double* x = hyper_values(hyper, kLarsFields, who);
   LarsHyper h;
-#define FUSEDOPT_SET_FIELD(name, member) set_field(h.member, x[kLars##name]);
+#define FUSEDOPT_SET_FIELD(name, member, type) set_field(h.member, x[kLars##name]);
   FUSEDOPT_LARS_FIELDS(FUSEDOPT_SET_FIELD)
 #undef FUSEDOPT_SET_FIELD
   return h;

@@ -50,41 +50,39 @@ FUSEDOPT_HD T sqrt_rn(T a) {
 // Host-side scalars of one param group, member for member the dataclasses LambHyper / LarsHyper
 // of fusedopt/_hyper.py (Note [hyper fields] in csrc/cpu/ops.h); booleans arrive as 0/1, a
 // missing max_grad_norm as NaN. max_grad_norm is the engine's (global clipping happens before
-// the passes) and rides along so that the encoding is the whole dataclass.
+// the passes) and rides along so that the encoding is the whole dataclass. The tables
+// X(Enumerator, member, type) list the fields in the dataclasses' order: the structs here and
+// the parsing of the encoding (csrc/cpu/ops.h) are generated from them.
+//   LAMB: beta3 = 1 - beta1 if grad_averaging else 1; weight_decay is lambda; decoupled is
+//   decoupled_weight_decay; ratio_lo/ratio_hi are trust_ratio_bounds (used when bounded);
+//   lambda_in_u is lambda unless decoupled (then 0), decoupled_lambda lambda if decoupled.
+//   LARS: momentum is mu, weight_decay lambda, trust_coefficient kappa; combined is
+//   denominator == "combined" (kappa*|w| / (|g + lambda*w| + eps)).
+#define FUSEDOPT_LAMB_FIELDS(X)                                                                \
+  X(Lr, lr, double) X(Beta1, beta1, double) X(Beta2, beta2, double) X(Beta3, beta3, double)    \
+  X(Eps, eps, double) X(WeightDecay, weight_decay, double)                                     \
+  X(BiasCorrection, bias_correction, bool) X(Adapt, adapt, bool)                               \
+  X(Decoupled, decoupled, bool) X(Bounded, bounded, bool) X(RatioLo, ratio_lo, double)         \
+  X(RatioHi, ratio_hi, double) X(MaxGradNorm, max_grad_norm, double)                           \
+  X(OneMinusBeta2, one_minus_beta2, double) X(LambdaInU, lambda_in_u, double)                  \
+  X(DecoupledLambda, decoupled_lambda, double)
+
+#define FUSEDOPT_LARS_FIELDS(X)                                                                \
+  X(Lr, lr, double) X(Momentum, momentum, double) X(Dampening, dampening, double)              \
+  X(WeightDecay, weight_decay, double) X(TrustCoefficient, trust_coefficient, double)          \
+  X(Eps, eps, double) X(Nesterov, nesterov, bool) X(TrustClip, trust_clip, bool)               \
+  X(Combined, combined, bool) X(LrInMomentum, lr_in_momentum, bool) X(Adapt, adapt, bool)      \
+  X(MaxGradNorm, max_grad_norm, double) X(OneMinusDampening, one_minus_dampening, double)
+
+#define FUSEDOPT_MEMBER(name, member, type) type member;
 struct LambHyper {
-  double lr;
-  double beta1;
-  double beta2;
-  double beta3;         // (1 - beta1) if grad_averaging else 1
-  double eps;
-  double weight_decay;  // lambda
-  bool bias_correction;
-  bool adapt;
-  bool decoupled;       // decoupled_weight_decay
-  bool bounded;
-  double ratio_lo;      // trust_ratio_bounds (used when bounded)
-  double ratio_hi;
-  double max_grad_norm;
-  double one_minus_beta2;
-  double lambda_in_u;       // lambda unless decoupled (then 0)
-  double decoupled_lambda;  // lambda if decoupled (else 0)
+  FUSEDOPT_LAMB_FIELDS(FUSEDOPT_MEMBER)
 };
 
 struct LarsHyper {
-  double lr;
-  double momentum;           // mu
-  double dampening;
-  double weight_decay;       // lambda
-  double trust_coefficient;  // kappa
-  double eps;
-  bool nesterov;
-  bool trust_clip;
-  bool combined;        // denominator == "combined": kappa*|w| / (|g + lambda*w| + eps)
-  bool lr_in_momentum;
-  bool adapt;
-  double max_grad_norm;
-  double one_minus_dampening;
+  FUSEDOPT_LARS_FIELDS(FUSEDOPT_MEMBER)
 };
+#undef FUSEDOPT_MEMBER
 
 // 1 - beta^t, in double whatever the compute type (same formula as fusedopt.functional).
 FUSEDOPT_HD double bias_correction(double beta, double t) { return 1.0 - pow(beta, t); }
